@@ -1,0 +1,34 @@
+# `make run` and `make test` create .venv on first use and reuse it afterwards
+# (it is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.labkit-installed
+export PATH := $(abspath $(BIN)):$(PATH)
+export GLOG_v ?= 3
+export TQDM_MININTERVAL ?= 5
+
+.PHONY: run test lab venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is needed: '$(PYTHON)' was not found (set PYTHON=/path/to/python3.11)"; exit 2; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "$(PYTHON) is not Python 3.11"; exit 2; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[lab,test]'
+	$(BIN)/python -m pip check
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/labkit run $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval-lax --nbval-current-env $(ARGS)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+clean:
+	rm -rf runs notebooks/output output

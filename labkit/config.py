@@ -1,0 +1,265 @@
+"""Typed configs. Every knob is one dataclass field with a type, a default and a comment giving its unit;
+YAML, the CLI (`--set a.b=c`), papermill parameters and widgets all use these names.
+
+`load(cls, data, where)` turns a mapping into a dataclass, refusing unknown keys and wrong types with a
+message that names the field, the file and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import LabkitError
+from .paths import CONFIGS, lab_path
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, where: str):
+    """Check (and gently convert) one value against a type annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except LabkitError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise LabkitError(f"{where} = {value!r} is not allowed", f"use one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise LabkitError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
+        (arg, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise LabkitError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return load(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise LabkitError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise LabkitError(f"{where} must be an integer, got {value!r}")
+        try:
+            f = float(value)
+        except ValueError:
+            raise LabkitError(f"{where} must be an integer, got {value!r}") from None
+        if not math.isfinite(f) or f != int(f):
+            raise LabkitError(f"{where} must be an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        if isinstance(value, bool):
+            raise LabkitError(f"{where} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise LabkitError(f"{where} must be a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise LabkitError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    raise LabkitError(f"{where}: unsupported type {_type_name(tp)}")
+
+
+def load(cls, data: dict | None, where: str = ""):
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise LabkitError."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise LabkitError(f"{where or cls.__name__} must be a mapping of keys to values, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            fix = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+            raise LabkitError(f"unknown key '{name}'", fix)
+        kwargs[key] = _coerce(value, hints[key], name)
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if check:
+        check(where)
+    return obj
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = lab_path(path)
+    if not path.is_file():
+        raise LabkitError(f"config file {path} not found", "check the path (configs/ resolves from the lab root)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise LabkitError(f"{path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise LabkitError(f"{path} must hold a mapping at the top level")
+    return data
+
+
+def set_dotted(data: dict, assignment: str) -> dict:
+    """Apply `a.b=c` (value parsed as YAML) to a nested mapping, in place."""
+    if "=" not in assignment:
+        raise LabkitError(f"--set {assignment!r} has no '='", "write --set key=value, e.g. --set train.lr=3e-4")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else None
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise LabkitError(f"--set {key}: '{part}' is not a section")
+    node[parts[-1]] = value
+    return data
+
+
+def _positive(obj, where: str, *names: str):
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v <= 0:
+            raise LabkitError(f"{where + '.' if where else ''}{n} must be > 0, got {v}")
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder. Names follow HF `LlamaConfig` where one exists."""
+
+    name: str = "tiny"  # preset name or a free label
+    vocab_size: int = 4096  # tokens in the vocabulary (embedding rows)
+    hidden_size: int = 256  # model width d_model
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 8  # attention (query) heads
+    num_kv_heads: int | None = None  # key/value heads for grouped-query attention; None = num_heads
+    intermediate_size: int | None = None  # SwiGLU FFN width; None = Llama rule from multiple_of
+    multiple_of: int = 256  # the Llama rule rounds the FFN width up to a multiple of this
+    ffn_dim_multiplier: float | None = None  # optional factor in the Llama FFN rule
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    max_position_embeddings: int = 2048  # longest sequence the model is meant for (tokens)
+    tie_word_embeddings: bool = False  # share the input embedding with the output layer
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+    init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*num_layers)
+
+    def validate(self, where: str = ""):
+        _positive(self, where, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "intermediate_size", "multiple_of", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+        if self.hidden_size % self.num_heads:
+            raise LabkitError(f"{where}.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
+                              "choose num_heads dividing hidden_size")
+        if self.num_heads % self.kv_heads:
+            raise LabkitError(f"{where}.num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """SwiGLU width: given, or Llama's rule (2/3 of 4h, times the multiplier, rounded up to multiple_of)."""
+        if self.intermediate_size:
+            return self.intermediate_size
+        h = int(2 * 4 * self.hidden_size / 3)
+        if self.ffn_dim_multiplier:
+            h = int(self.ffn_dim_multiplier * h)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    def param_counts(self) -> dict[str, int]:
+        """Exact parameter counts by part (what mindformers allocates)."""
+        h, f, kv = self.hidden_size, self.ffn_size, self.kv_heads * self.head_dim
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
+        embed = self.vocab_size * h
+        return {
+            "embedding": embed,
+            "layers": per_layer * self.num_layers,
+            "per_layer": per_layer,
+            "final_norm": h,
+            "lm_head": 0 if self.tie_word_embeddings else embed,
+            "total": embed + per_layer * self.num_layers + h + (0 if self.tie_word_embeddings else embed),
+        }
+
+    @property
+    def num_params(self) -> int:
+        return self.param_counts()["total"]
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    # learns visibly in a minute on 2 CPU cores; vocab matches the shipped tokenizer
+    "tiny": dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                 max_position_embeddings=512),
+    # ~110M parameters, GPT-2-small-like width; too slow to train on CPU beyond a few steps
+    "llama_100m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
+                       tie_word_embeddings=True, max_position_embeddings=2048),
+    # Llama-2-7B as published (6,738,415,616 parameters)
+    "llama2_7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, multiple_of=256,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        close = difflib.get_close_matches(name, list(MODEL_PRESETS), n=1)
+        raise LabkitError(f"unknown model preset '{name}'",
+                          f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(MODEL_PRESETS)}")
+    return load(ModelConfig, {"name": name, **MODEL_PRESETS[name], **overrides}, "model")
+
+
+def model_from_hf(config: dict | str | Path, name: str | None = None) -> ModelConfig:
+    """A ModelConfig from an HF Llama-family `config.json` (dict or path). Unsupported features raise."""
+    from . import convert  # the rules of what mindformers can express live with the converter
+
+    if not isinstance(config, dict):
+        import json
+
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise LabkitError(f"{path} not found", "point at an HF model directory with a config.json")
+        config = json.loads(path.read_text(encoding="utf-8"))
+    return convert.model_config_from_hf(config, name=name)
