@@ -506,8 +506,9 @@ def doctor(model_dirs: list[str] | tuple = (), *, devices: bool = True, registri
         info, bad = read_model_dir(path)
         found += bad
         dirs += [info] if info else []
-    hf = hf_registry() if (registries or dirs) and facts["versions"]["transformers"] else None
+    # mindformers first: transformers' run-time registrations then include any that importing mindformers made
     mf = mf_registry() if (registries or dirs) and facts["versions"]["mindformers"] else None
+    hf = hf_registry() if (registries or dirs) and facts["versions"]["transformers"] else None
     facts["devices"] = probe.result() if probe else {t: {"plugin_loaded": None, "works": t == "CPU",
                                                          "error": "not probed"} for t in TARGETS}
     pool.shutdown()
