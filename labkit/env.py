@@ -49,10 +49,12 @@ def installed_versions() -> dict:
 def load_compat(path: str | os.PathLike = CONFIGS / "compat.yaml") -> dict:
     import yaml
 
+    from .errors import LabkitError
+
+    if not Path(path).is_file():
+        raise LabkitError(f"the compatibility table {path} is missing", "run from a checkout of the lab (git clone)")
     data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     if not isinstance(data.get("mindspore"), dict):
-        from .errors import LabkitError
-
         raise LabkitError(f"{path}: missing the 'mindspore:' table", "restore configs/compat.yaml from git")
     return data
 
@@ -386,6 +388,8 @@ def check_environment_sync(pyproject: str | os.PathLike = ROOT / "pyproject.toml
 def cache_and_log_dirs() -> tuple[dict, dict]:
     """Where the libraries cache downloads and write logs, as this process would resolve them."""
     def entry(path, why):
+        if path == "stderr":
+            return {"path": path, "exists": None, "what": why}
         p = Path(path).expanduser()
         return {"path": str(p), "exists": p.exists(), "what": why}
 
@@ -415,10 +419,6 @@ def cache_and_log_dirs() -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------------------------------------- judgement
-
-
-def _vkey(v: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else 0 for x in re.split(r"[.+-]", v)[:3])
 
 
 def assess(facts: dict, compat: dict, vmap: dict | None) -> tuple[list[dict], list[dict], bool]:
@@ -563,8 +563,9 @@ def format_report(r: dict) -> str:
                  f", Ascend {'yes' if wp['ascend'] else 'no'}")
     if r["version_map"]:
         vm = r["version_map"]
-        lines.append(f"VERSION_MAP.json: mindformers {r['mindformers']} -> mindspore {vm['mindformers_needs_mindspore']}"
-                     f" -> CANN {vm['mindspore_needs_cann']} -> driver {vm['cann_needs_driver']}")
+        lines.append(f"VERSION_MAP.json: mindformers {r['mindformers']} -> mindspore "
+                     f"{vm['mindformers_needs_mindspore']} -> CANN {vm['mindspore_needs_cann']} -> driver "
+                     f"{vm['cann_needs_driver']}")
     reg = r["registries"]
     if reg:
         tf, mf = reg["transformers"] or {}, reg["mindformers"] or {}
@@ -576,7 +577,7 @@ def format_report(r: dict) -> str:
                          f"mindformers {d['mindformers_config']}; architectures {d['architectures']}")
     lines.append("caches / logs:")
     for k, d in {**r["cache_dirs"], **r["log_dirs"]}.items():
-        lines.append(f"  {k:<34}{d['path']}{'' if d['exists'] else '  (absent)'}")
+        lines.append(f"  {k:<34}{d['path']}{'  (absent)' if d['exists'] is False else ''}")
     for title, items in (("PROBLEMS", r["problems"]), ("warnings", r["warnings"])):
         if items:
             lines += ["", f"{title}:"] + [f"  - {i['what']}\n    fix: {i['fix']}" for i in items]
