@@ -263,3 +263,119 @@ def model_from_hf(config: dict | str | Path, name: str | None = None) -> ModelCo
             raise LabkitError(f"{path} not found", "point at an HF model directory with a config.json")
         config = json.loads(path.read_text(encoding="utf-8"))
     return convert.model_config_from_hf(config, name=name)
+
+
+# ------------------------------------------------------------------------------------------ training run
+
+
+@dataclass
+class DataConfig:
+    """Where training data comes from. With `dataset: null` the run builds a MindRecord set from the shipped corpus
+    and tokenizer on first use (cached under runs/cache)."""
+
+    dataset: str | None = None  # MindRecord directory from `labkit data build`; null = build from corpus on first use
+    corpus: list[str] | None = None  # text files/dirs for the first-use build; null = data/corpus
+    tokenizer: str = "data/tokenizer"  # tokenizer directory (HF format with tokenizer.model)
+    seq_len: int = 128  # tokens per sample fed to the model (samples hold seq_len + 1 for the shifted labels)
+    shuffle: bool = True  # seeded global shuffle per epoch
+    num_parallel_workers: int = 1  # MindDataset worker threads
+    prefetch: int = 16  # MindDataset prefetch (rows per worker)
+
+    def validate(self, where: str = "data"):
+        _positive(self, where, "seq_len", "num_parallel_workers", "prefetch")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Step = one optimizer update (micro_batch x dp x accum samples)."""
+
+    steps: int = 60  # stop after this optimizer step, counted from the start of training (resume continues to it)
+    micro_batch: int = 8  # samples per worker per forward/backward
+    accum: int = 1  # gradient-accumulation micro-steps per optimizer step
+    global_batch: int | None = None  # optional check: must equal micro_batch * dp * accum
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # floor of the cosine decay
+    warmup_steps: int = 10  # linear warmup from 0 to lr (optimizer steps)
+    decay_steps: int = 200  # schedule horizon: cosine reaches min_lr here, independent of `steps`
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norm gains)
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    amp_level: Literal["O0", "O1", "O2", "O3"] = "O0"  # mixed precision level (see labkit.train.AMP_LEVELS)
+    loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
+    scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
+    scale_factor: float = 2.0  # loss-scale growth/shrink factor
+    recompute: str = "none"  # activation recomputation: none | all | last:K | first:K | A-B (layer index range)
+    seed: int = 1234  # model init, data order
+    grad_norm_alert: float = 10.0  # warn when the global gradient norm exceeds this
+    save_every: int = 0  # write a full training checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2  # keep the newest K checkpoints
+    init_checkpoint: str | None = None  # weights to start from (a `labkit convert hf2ms` output dir or a checkpoint)
+    peak_tflops: float | None = None  # device peak for MFU (TFLOP/s); null = measure a GEMM probe at start
+    mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
+
+    def validate(self, where: str = "train"):
+        _positive(self, where, "steps", "micro_batch", "accum", "global_batch", "lr", "decay_steps",
+                  "loss_scale", "scale_window", "keep_checkpoints", "peak_tflops")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise LabkitError(f"{where}.min_lr {self.min_lr} must be between 0 and lr {self.lr}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.decay_steps:
+            raise LabkitError(f"{where}.warmup_steps {self.warmup_steps} must be between 0 and decay_steps "
+                              f"{self.decay_steps}")
+        if self.save_every < 0 or self.grad_clip < 0:
+            raise LabkitError(f"{where}.save_every and grad_clip must be >= 0")
+
+
+@dataclass
+class ParallelConfig:
+    """How the run is spread over devices (MindSpore's parallel mode names)."""
+
+    parallel_mode: Literal["stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel"] | None = None
+    # null = stand_alone for one worker, data_parallel for more
+    dp: int | None = None  # data-parallel size; null = all workers (data_parallel) or the planner's choice
+    mp: int = 1  # tensor (model) parallel size (semi_auto/auto only)
+    pp: int = 1  # pipeline stages (semi_auto/auto only)
+    optimizer_shard: bool = False  # shard optimizer states over dp (MindSpore parallel optimizer; semi_auto/auto)
+    search_mode: Literal["sharding_propagation", "recursive_programming"] = "sharding_propagation"  # auto_parallel
+    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"  # MindSpore device target
+
+    def validate(self, where: str = "parallel"):
+        _positive(self, where, "dp", "mp", "pp")
+
+
+@dataclass
+class RunConfig:
+    """A whole training run, as in configs/*.yaml."""
+
+    model: dict = field(default_factory=lambda: {"preset": "tiny"})  # preset: NAME plus ModelConfig overrides
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output_dir: str = "runs/train"  # run folder (relative to where you run)
+
+    def validate(self, where: str = ""):
+        self.model_config()  # raises on bad model keys
+
+    def model_config(self) -> ModelConfig:
+        spec = dict(self.model)
+        preset = spec.pop("preset", None)
+        if preset:
+            return model_preset(preset, **spec)
+        return load(ModelConfig, spec, "model")
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from YAML (or defaults) with `--set a.b=c` overrides applied, validated."""
+    data = read_yaml(path) if path else {}
+    for item in overrides or []:
+        set_dotted(data, item)
+    where = str(path) if path else "config"
+    try:
+        return load(RunConfig, data)
+    except LabkitError as e:
+        raise LabkitError(f"{where}: {e.what}", e.fix) from None
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)

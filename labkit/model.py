@@ -52,9 +52,11 @@ def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
 
 def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, device_target: str = "CPU",
                         compute_dtype: str = "float32", param_dtype: str = "float32",
+                        softmax_dtype: str = "float32", norm_dtype: str = "float32",
                         use_flash_attention: bool | None = None) -> dict:
     """The mindformers `LlamaConfig` arguments for this model (also written out as mindformers YAML)."""
-    for name, dt in (("compute_dtype", compute_dtype), ("param_dtype", param_dtype)):
+    for name, dt in (("compute_dtype", compute_dtype), ("param_dtype", param_dtype),
+                     ("softmax_dtype", softmax_dtype), ("norm_dtype", norm_dtype)):
         if dt not in DTYPES:
             raise LabkitError(f"{name} '{dt}' is not supported", f"use one of {', '.join(DTYPES)}")
     flags = backend_flags(device_target, use_flash_attention)
@@ -66,7 +68,7 @@ def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 
         max_position_embedding=cfg.max_position_embeddings,
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
         tie_word_embeddings=cfg.tie_word_embeddings, init_method_std=cfg.init_std,
-        compute_dtype=compute_dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
+        compute_dtype=compute_dtype, layernorm_compute_type=norm_dtype, softmax_compute_type=softmax_dtype,
         rotary_dtype="float32", param_init_type=param_dtype, embedding_init_type=param_dtype,
         fused_rms_norm=flags.fused_rms_norm, use_rope_slice=flags.use_rope_slice,
         use_flash_attention=flags.use_flash_attention, disable_lazy_inline=flags.disable_lazy_inline,
@@ -75,6 +77,7 @@ def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 
 
 def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, device_target: str = "CPU",
                 compute_dtype: str = "float32", param_dtype: str = "float32",
+                softmax_dtype: str = "float32", norm_dtype: str = "float32",
                 use_flash_attention: bool | None = None, recompute_layers: list[int] | None = None,
                 parallel_config: dict | None = None, no_init: bool = False, seed: int | None = None):
     """A `mindformers.LlamaForCausalLM`.
@@ -89,6 +92,7 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
 
     kwargs = llama_config_kwargs(cfg, seq_length=seq_length, batch_size=batch_size, device_target=device_target,
                                  compute_dtype=compute_dtype, param_dtype=param_dtype,
+                                 softmax_dtype=softmax_dtype, norm_dtype=norm_dtype,
                                  use_flash_attention=use_flash_attention)
     if parallel_config:
         kwargs["parallel_config"] = parallel_config

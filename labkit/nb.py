@@ -29,3 +29,20 @@ def check(condition: bool, claim: str) -> None:
     if not condition:
         raise AssertionError(f"check failed: {claim}")
     print(f"✓ {claim}")
+
+
+def record(name: str, value) -> None:
+    """Record a key figure for `labkit run`'s summary page (a no-op outside `labkit run`)."""
+    import json
+
+    from .runner import FIGURES_ENV
+
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    p = Path(path)
+    data = json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
+    data[name] = value
+    from .paths import atomic_write_text
+
+    atomic_write_text(p, json.dumps(data, ensure_ascii=False, default=str))

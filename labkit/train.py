@@ -1,0 +1,510 @@
+"""The training loop: MindSpore primitives around `mindformers.LlamaForCausalLM`.
+
+mindformers' `Trainer` does not run on CPU (its loss-scale wrapper calls an Ascend-only operator), so this loop is
+written with `ms.value_and_grad`, `nn.AdamWeightDecay`, `ms.amp.DynamicLossScaler` and `ms.amp.all_finite` under
+`@ms.jit`. The same code runs stand-alone, under msrun (data parallel) and on Ascend/GPU.
+
+Step t (0-based) consumes the global batch t of `labkit.data.make_loader`; checkpoints store the step, so a resumed
+run reads exactly the batches the uninterrupted run would have read.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import checkpoint
+from .config import RunConfig, dump_run_config, load_run_config
+from .errors import LabkitError, LabkitFailure
+from .model import build_model, quiet_mindformers
+from .paths import atomic_write_text
+
+# Mixed-precision levels, in MindSpore's terms, mapped onto what mindformers' Llama can express.
+#   O0: everything float32.
+#   O1: MindSpore's white-list casting (`ms.amp.auto_mixed_precision(net, "O1")`) on the float32 model.
+#   O2: float16 compute, float32 master weights, norms and softmax in float32 (what mindformers' own configs do;
+#       `auto_mixed_precision(net, "O2")` breaks the attention BatchMatMul's dtypes in mindformers 1.9.0).
+#   O3: float16 everywhere, weights included.
+# O1-O3 use dynamic loss scaling.
+AMP_LEVELS = {
+    "O0": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O1": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O2": dict(compute_dtype="float16", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O3": dict(compute_dtype="float16", param_dtype="float16", softmax_dtype="float16", norm_dtype="float16"),
+}
+
+
+def parse_recompute(spec: str, num_layers: int) -> list[int]:
+    """`none`, `all`, `last:K`, `first:K` or `A-B` (inclusive) → decoder-layer indices to recompute."""
+    s = (spec or "none").strip().lower()
+    try:
+        if s in ("none", "off", "false", ""):
+            return []
+        if s in ("all", "full", "true", "on"):
+            return list(range(num_layers))
+        if s.startswith("last:"):
+            k = int(s[5:])
+            return list(range(max(0, num_layers - k), num_layers))
+        if s.startswith("first:"):
+            return list(range(min(num_layers, int(s[6:]))))
+        if "-" in s:
+            a, b = (int(x) for x in s.split("-"))
+            if 0 <= a <= b < num_layers:
+                return list(range(a, b + 1))
+    except ValueError:
+        pass
+    raise LabkitError(f"train.recompute = {spec!r} is not understood",
+                      f"use none, all, last:K, first:K or A-B with layers 0..{num_layers - 1}")
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine to min_lr at decay_steps, then flat (step is 0-based:
+    the lr used by update number step+1)."""
+    t = step + 1
+    if cfg.warmup_steps and t <= cfg.warmup_steps:
+        return cfg.lr * t / cfg.warmup_steps
+    span = max(1, cfg.decay_steps - cfg.warmup_steps)
+    progress = min(1.0, (t - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Model FLOPs per trained token (PaLM appendix B): 6N + 12·L·H·Q·T; recomputation is not counted."""
+    return 6 * model_cfg.num_params + 12 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * seq_len
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    mode: str = "stand_alone"
+
+
+def _init_context(cfg: RunConfig) -> World:
+    import mindspore as ms
+
+    p = cfg.parallel
+    ms.set_context(mode=ms.GRAPH_MODE if cfg.train.mode == "graph" else ms.PYNATIVE_MODE)
+    ms.set_device(p.device_target)
+    ms.set_seed(cfg.train.seed)
+    launched = int(os.environ.get("MS_WORKER_NUM", "0") or 0)
+    mode = p.parallel_mode or ("data_parallel" if launched > 1 else "stand_alone")
+    if mode == "stand_alone":
+        return World()
+    from . import parallel
+
+    if not launched:
+        raise LabkitError(f"parallel_mode {mode} needs worker processes started by msrun",
+                          "start the run with `labkit launch --workers N ...`")
+    parallel.require_hardware(mode, p.device_target, launched)
+    from mindspore.communication import get_group_size, get_rank, init
+
+    init()
+    world = World(get_rank(), get_group_size(), mode)
+    parallel.set_parallel_context(mode, device_num=world.size, search_mode=p.search_mode,
+                                  strategy_ckpt_path=str(Path(cfg.output_dir) / "strategy.ckpt"),
+                                  enable_parallel_optimizer=p.optimizer_shard, gradients_mean=True,
+                                  pipeline_stages=p.pp)
+    return world
+
+
+def dp_size(cfg: RunConfig, world: World) -> int:
+    if world.mode == "data_parallel":
+        if cfg.parallel.dp not in (None, world.size):
+            raise LabkitError(f"parallel.dp = {cfg.parallel.dp} but {world.size} workers run data parallel",
+                              "leave parallel.dp unset or equal to the worker count")
+        return world.size
+    if world.mode == "stand_alone":
+        return 1
+    return cfg.parallel.dp or world.size // (cfg.parallel.mp * cfg.parallel.pp)
+
+
+def check_batch(cfg: RunConfig, dp: int) -> int:
+    t = cfg.train
+    g = t.micro_batch * dp * t.accum
+    if t.global_batch is not None and t.global_batch != g:
+        raise LabkitError(
+            f"train.global_batch = {t.global_batch} but micro_batch {t.micro_batch} x dp {dp} x accum {t.accum} = {g}",
+            f"set train.accum = {t.global_batch / (t.micro_batch * dp):g} or change global_batch to {g}")
+    return g
+
+
+class Trainer:
+    """Builds everything once; `run()` trains from the current step to cfg.train.steps."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, log=None):
+        quiet_mindformers()
+        import mindspore as ms
+        from mindspore import nn
+
+        from . import data
+
+        self.cfg, t = cfg, cfg.train
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+        self.out = Path(cfg.output_dir)
+        self.world = _init_context(cfg)
+        self.dp = dp_size(cfg, self.world)
+        self.global_batch = check_batch(cfg, self.dp)
+        self.model_cfg = mcfg = cfg.model_config()
+        if cfg.data.seq_len > mcfg.max_position_embeddings:
+            raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
+                              f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
+        self.dataset = (Path(cfg.data.dataset) if cfg.data.dataset else
+                        data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer))
+        stats = data.read_stats(self.dataset)
+        if stats.get("seq_len") not in (None, cfg.data.seq_len):
+            raise LabkitError(f"dataset {self.dataset} holds samples of seq_len {stats['seq_len']}, "
+                              f"the config asks for {cfg.data.seq_len}", "set data.seq_len to match or rebuild")
+        if stats.get("vocab_size") and stats["vocab_size"] > mcfg.vocab_size:
+            raise LabkitError(f"dataset tokenizer has {stats['vocab_size']} tokens, the model's vocab_size is "
+                              f"{mcfg.vocab_size}", "use the matching tokenizer or resize the embeddings")
+        self.amp = AMP_LEVELS[t.amp_level]
+        self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
+                                 device_target=cfg.parallel.device_target, **self.amp,
+                                 recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
+                                 parallel_config=self._mf_parallel_config())
+        if t.init_checkpoint:
+            self._load_init(t.init_checkpoint)
+        net = self.model
+        if t.amp_level == "O1":
+            net = ms.amp.auto_mixed_precision(self.model, "O1")
+        net.set_train(True)
+        params = self.model.trainable_params()
+        decay = [p for p in params if len(p.shape) > 1]
+        no_decay = [p for p in params if len(p.shape) <= 1]
+        self.opt = nn.AdamWeightDecay(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            learning_rate=WarmupCosine(t), beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+        self.scaler = None
+        if t.amp_level != "O0":
+            self.scaler = ms.amp.DynamicLossScaler(t.loss_scale, t.scale_factor, t.scale_window)
+        self._compile(net)
+        self.step, self.history, self.overflows = 0, [], 0
+        if resume:
+            self._resume()
+        self.loader = data.make_loader(self.dataset, t.micro_batch, seed=t.seed, dp_size=self.dp,
+                                       dp_rank=self._dp_rank(), accum=t.accum, start_step=self.step,
+                                       shuffle=cfg.data.shuffle, num_parallel_workers=cfg.data.num_parallel_workers,
+                                       prefetch=cfg.data.prefetch)
+        self.flops_per_token = flops_per_token(mcfg, cfg.data.seq_len)
+        self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else None
+
+    # ------------------------------------------------------------------ setup pieces
+    def _dp_rank(self) -> int:
+        return self.world.rank % self.dp if self.world.mode != "stand_alone" else 0
+
+    def _mf_parallel_config(self):
+        if self.world.mode in ("stand_alone", "data_parallel"):
+            return None
+        p = self.cfg.parallel
+        return dict(data_parallel=self.dp, model_parallel=p.mp, pipeline_stage=p.pp,
+                    micro_batch_num=max(p.pp, self.cfg.train.accum), vocab_emb_dp=True)
+
+    def _load_init(self, path):
+        import mindspore as ms
+
+        weights = checkpoint.load_weights(path)
+        own = {n: p for n, p in self.model.parameters_and_names()}
+        bad = [f"{n}: checkpoint {tuple(w.shape)} vs model {tuple(own[n].shape)}"
+               for n, w in weights.items() if n in own and tuple(w.shape) != tuple(own[n].shape)]
+        missing = sorted(set(own) - set(weights))
+        extra = sorted(set(weights) - set(own))
+        if bad or missing or extra:
+            raise LabkitError(f"init_checkpoint {path} does not match the model: " + "; ".join(
+                bad[:3] + [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {extra[:3]}"] * bool(extra)),
+                "check model preset/overrides against the checkpoint's model.yaml (vocab size: "
+                "`labkit tokenizer resize-embeddings`)")
+        ms.load_param_into_net(self.model, weights, strict_load=True)
+
+    def _compile(self, net):
+        """One graph per micro-step. Gradients never leave the graph: passing a fresh gradient tuple from one
+        @ms.jit graph into another cost seconds per step on CPU (measured), so accumulation uses Parameter
+        buffers and the last micro-step unscales, checks, clips and updates in the same graph."""
+        import mindspore as ms
+        from mindspore import nn, ops
+
+        opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
+        reducer = None
+        if self.world.mode == "data_parallel":
+            reducer = nn.DistributedGradReducer(opt.parameters, mean=True, degree=self.world.size)
+        self.acc = None
+        if accum > 1:
+            self.acc = ms.ParameterTuple(
+                ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"accu_grads.{p.name}", requires_grad=False)
+                for p in opt.parameters)
+        acc = self.acc
+
+        def loss_fn(x, scale):
+            loss = net(x)
+            return loss * scale, loss
+
+        grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters, has_aux=True)
+
+        @ms.jit
+        def accumulate(x, scale):
+            (_, loss), grads = grad_fn(x, scale)
+            for a, g in zip(acc, grads):
+                ops.assign_add(a, g.astype(ms.float32))
+            return loss
+
+        @ms.jit
+        def step(x, scale, denom):
+            (_, loss), grads = grad_fn(x, scale)
+            if accum > 1:
+                grads = tuple(a + g.astype(ms.float32) for a, g in zip(acc, grads))
+            if reducer is not None:
+                grads = reducer(grads)
+            grads = tuple(g.astype(ms.float32) / denom for g in grads)
+            finite = ms.amp.all_finite(grads)
+            norm = ops.sqrt(ops.addn([ops.reduce_sum(ops.square(g)) for g in grads]))
+            if clip > 0:
+                factor = ops.minimum(clip / (norm + 1e-6), 1.0)
+                grads = tuple(g * factor for g in grads)
+            if finite:  # a skipped update leaves weights, moments and the schedule position untouched
+                opt(grads)
+            if accum > 1:
+                for a in acc:
+                    ops.assign(a, ops.zeros_like(a))
+            return loss, finite, norm
+
+        self._accumulate, self._step = accumulate, step
+
+    def state_params(self):
+        named = list(self.model.parameters_and_names()) + list(self.opt.parameters_and_names())
+        if self.scaler is not None:
+            named += [("loss_scale.value", self.scaler.scale_value), ("loss_scale.counter", self.scaler.counter)]
+        return named
+
+    def _resume(self):
+        import mindspore as ms
+
+        ck = checkpoint.latest(self.out)
+        if ck is None:
+            raise LabkitError(f"--resume: no complete checkpoint under {checkpoint.checkpoint_dir(self.out)}",
+                              "run without --resume first, or point --output at the earlier run")
+        params, meta = checkpoint.load_full(ck)
+        targets = dict(self.state_params())
+        missing = sorted(set(targets) - set(params))
+        if missing:
+            raise LabkitError(f"checkpoint {ck} lacks {missing[:3]} ({len(missing)} in all)",
+                              "resume with the same amp_level and model as the run that wrote it")
+        for name, p in targets.items():
+            p.set_data(ms.Tensor(params[name].asnumpy(), p.dtype))
+        self.step = int(meta["step"])
+        self.overflows = int(meta.get("overflows", 0))
+        self.history = [m for m in _read_metrics(self.out) if m["step"] <= self.step]
+        self.log(f"resumed from {ck} at step {self.step}")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, on_step=None) -> dict:
+        import mindspore as ms
+
+        t, rank0 = self.cfg.train, self.world.rank == 0
+        if self.peak_flops is None:
+            from .devices import measure_gemm_peak
+
+            self.peak_flops = measure_gemm_peak()
+        if rank0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out / "config.yaml", dump_run_config(self.cfg))
+            _rewrite_metrics(self.out, self.history)
+        bar = _progress(t.steps, self.step, rank0)
+        tokens_per_step = self.global_batch * self.cfg.data.seq_len
+        while self.step < t.steps:
+            start = time.perf_counter()
+            scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
+            scale_t = ms.Tensor(scale, ms.float32)
+            losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
+            loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t,
+                                            ms.Tensor(scale * t.accum, ms.float32))
+            losses.append(loss)
+            finite = bool(finite.asnumpy())
+            loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
+            if self.world.size > 1:
+                loss = _mean_over_ranks(loss)
+            if self.scaler is not None:
+                self.scaler.adjust(ms.Tensor(finite))
+            grad_norm = float(norm.asnumpy())
+            self._health(finite, loss, grad_norm, scale)
+            self.step += 1
+            seconds = time.perf_counter() - start
+            rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
+                   "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
+                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+                   "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
+                   "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
+            self.history.append(rec)
+            if rank0:
+                with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+            if on_step:
+                on_step(rec)
+            if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
+                self.save()
+        bar.close()
+        return self.summary()
+
+    def _health(self, finite: bool, loss: float, grad_norm: float, scale: float):
+        t = self.cfg.train
+        step = self.step + 1
+        if not finite or not math.isfinite(loss):
+            if self.scaler is not None and scale > 1.0:
+                self.overflows += 1
+                self.log(f"step {step}: gradient overflow at loss scale {scale:g}; update skipped, scale reduced")
+                return
+            raise LabkitFailure(
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped before the "
+                f"update (weights unchanged)",
+                f"likely causes: learning rate too high (lr={t.lr:g}; try 3-10x lower or a longer warmup), "
+                f"float16 overflow ({t.amp_level}: use loss scaling or O0), or bad data (check `labkit data build` "
+                f"warnings). Resume from the last checkpoint with --resume after fixing it")
+        if grad_norm > t.grad_norm_alert and self.world.rank == 0:
+            self.log(f"step {step}: gradient norm {grad_norm:.2f} above alert threshold {t.grad_norm_alert:g} "
+                     f"(data spike, lr too high or loss scale unstable?)")
+
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint; every rank waits at a barrier so none runs ahead of a half-written save."""
+        path = None
+        if self.world.rank == 0:
+            t = self.cfg.train
+            meta = {"samples_consumed": self.step * self.global_batch, "global_batch": self.global_batch,
+                    "rng": {"seed": t.seed, "note": "data order and init are functions of seed and step"},
+                    "overflows": self.overflows, "lr_schedule_step": self.step,
+                    "config": json.loads(json.dumps(_cfg_dict(self.cfg)))}
+            path = checkpoint.save(self.out, self.step, self.state_params(), meta, t.keep_checkpoints)
+        if self.world.size > 1:
+            _barrier()
+        return path
+
+    def summary(self) -> dict:
+        h = self.history
+        steady = h[1:] if len(h) > 1 else h
+        avg = lambda k: sum(r[k] for r in steady) / len(steady) if steady else None  # noqa: E731
+        return {"ok": True, "output": str(self.out), "steps": self.step,
+                "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
+                "tokens_per_s": avg("tokens_per_s"), "mfu": avg("mfu"),
+                "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
+                "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
+                "world_size": self.world.size, "global_batch": self.global_batch}
+
+
+def WarmupCosine(t):
+    """The schedule as a MindSpore LearningRateSchedule (evaluated in-graph from the optimizer's global_step,
+    which checkpoints store), equal to `lr_at`."""
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.nn.learning_rate_schedule import LearningRateSchedule
+
+    class _WarmupCosine(LearningRateSchedule):
+        def construct(self, global_step):
+            step = global_step.astype(ms.float32) + 1.0
+            warm = t.lr * step / max(t.warmup_steps, 1)
+            span = float(max(1, t.decay_steps - t.warmup_steps))
+            progress = ops.clip_by_value((step - t.warmup_steps) / span, 0.0, 1.0)
+            cos = t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + ops.cos(math.pi * progress))
+            return ops.select(step <= t.warmup_steps, warm, cos) if t.warmup_steps else cos
+
+    return _WarmupCosine()
+
+
+def peak_memory_mb(device_target: str) -> float:
+    if device_target != "CPU":
+        import mindspore as ms
+
+        return ms.runtime.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _mean_over_ranks(value: float) -> float:
+    import mindspore as ms
+    from mindspore.communication import comm_func, get_group_size
+
+    out = comm_func.all_reduce(ms.Tensor([value], ms.float32))
+    out = out[0] if isinstance(out, tuple) else out
+    return float(out.asnumpy()[0]) / get_group_size()
+
+
+def _barrier():
+    from mindspore.communication import comm_func
+
+    comm_func.barrier()
+
+
+def _cfg_dict(cfg):
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def _read_metrics(out: Path) -> list[dict]:
+    f = Path(out) / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    return [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _rewrite_metrics(out: Path, history: list[dict]):
+    atomic_write_text(Path(out) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, file=sys.stderr)
+
+
+def train(cfg: RunConfig, resume: bool = False, on_step=None, log=None) -> dict:
+    return Trainer(cfg, resume=resume, log=log).run(on_step=on_step)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_train_flags(parser) -> None:
+    """The flags `labkit train` and `labkit launch` share."""
+    parser.add_argument("--config", help="run config YAML (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    parser.add_argument("--steps", type=int, help="stop after this step, counted from the start of training")
+    parser.add_argument("--micro-batch", type=int, help="samples per worker per micro-step")
+    parser.add_argument("--accum", type=int, help="gradient-accumulation micro-steps")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--output", help="run folder (checkpoints, metrics.jsonl)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest full checkpoint in --output")
+
+
+def config_from_args(args) -> RunConfig:
+    sets = list(args.set)
+    for flag, key in (("steps", "train.steps"), ("micro_batch", "train.micro_batch"), ("accum", "train.accum"),
+                      ("seed", "train.seed"), ("output", "output_dir")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            sets.append(f"{key}={value}")
+    return load_run_config(args.config or "configs/tiny_cpu.yaml", sets)
+
+
+def add_cli(parser) -> None:
+    add_train_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the run summary)")
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from .cli import emit
+
+    cfg = config_from_args(args)
+    summary = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0) == 0:
+        text = (f"trained to step {summary['steps']}: loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
+                f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}\n"
+                f"metrics: {cfg.output_dir}/metrics.jsonl\ncheckpoint: {summary['checkpoint']}")
+        emit(args, summary, text)
+    return 0
