@@ -1,0 +1,860 @@
+"""HF ⇄ MindSpore weight conversion for Llama-family checkpoints, streamed tensor by tensor.
+
+The name mapping is data (`MAPPING`). Layouts are the same on both sides, checked by parity, not assumed:
+mindformers' Linear stores `[out_features, in_features]` like torch (`transpose_b=True`), and its RoPE rotates
+the two halves of each head like HF's `rotate_half`, so q/k need no permutation. Nothing is transposed here.
+
+A converted directory (what `hf2ms` writes and `ms2hf`, parity and training read):
+  model.ckpt               MindSpore checkpoint, mindformers parameter names
+  model.yaml               the labkit ModelConfig
+  mindformers_model.yaml   the equivalent mindformers `model:` block (LlamaConfig + LlamaForCausalLM)
+  conversion.json          source dtype, original HF names and order, shards, crc32 of every source tensor
+  tokenizer files, generation_config.json   copied when the source has them
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from . import __version__
+from .config import ModelConfig, load, to_dict
+from .errors import LabkitError
+from .paths import atomic_dir
+
+# ------------------------------------------------------------------------------------------ the mapping
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: str  # HF name; {i} is the decoder layer
+    ms: str  # mindformers parameter name
+    shape: str  # HF shape in config terms; mindformers uses the same shape
+    layout: str = "same"  # "same" = copied as is; anything else would be a documented, tested transform
+
+
+MAPPING: tuple[Rule, ...] = (
+    Rule("model.embed_tokens.weight", "model.tok_embeddings.embedding_weight", "[vocab, hidden]"),
+    Rule("model.layers.{i}.input_layernorm.weight", "model.layers.{i}.attention_norm.weight", "[hidden]"),
+    Rule("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.attention.wq.weight", "[heads*head_dim, hidden]"),
+    Rule("model.layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.attention.wk.weight",
+         "[kv_heads*head_dim, hidden]"),
+    Rule("model.layers.{i}.self_attn.v_proj.weight", "model.layers.{i}.attention.wv.weight",
+         "[kv_heads*head_dim, hidden]"),
+    Rule("model.layers.{i}.self_attn.o_proj.weight", "model.layers.{i}.attention.wo.weight", "[hidden, heads*head_dim]"),
+    Rule("model.layers.{i}.post_attention_layernorm.weight", "model.layers.{i}.ffn_norm.weight", "[hidden]"),
+    Rule("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.feed_forward.w1.weight", "[ffn, hidden]"),
+    Rule("model.layers.{i}.mlp.down_proj.weight", "model.layers.{i}.feed_forward.w2.weight", "[hidden, ffn]"),
+    Rule("model.layers.{i}.mlp.up_proj.weight", "model.layers.{i}.feed_forward.w3.weight", "[ffn, hidden]"),
+    Rule("model.norm.weight", "model.norm_out.weight", "[hidden]"),
+    Rule("lm_head.weight", "lm_head.weight", "[vocab, hidden]; absent when tie_word_embeddings"),
+)
+# source keys that are not parameters of the target: consumed, checked, recorded, written back by ms2hf
+TIED_COPY = "lm_head.weight"  # with tied embeddings some files (pytorch_model.bin) still hold it: must equal the embedding
+BUFFER = re.compile(r"model\.layers\.(\d+)\.self_attn\.rotary_emb\.inv_freq")  # old checkpoints; recomputed from rope_theta
+
+DTYPES = ("float32", "float16", "bfloat16")
+_ST = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors dtype tags
+_ST_TAG = {v: k for k, v in _ST.items()}
+_MS_TAG = {"float32": "Float32", "float16": "Float16", "bfloat16": "BFloat16"}  # MindSpore checkpoint tensor_type
+_MS = {v: k for k, v in _MS_TAG.items()}
+_STORE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy has no bfloat16: keep bits
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+EXTRA_FILES = ("generation_config.json",)
+CKPT_CHUNK = 512 * 1024 * 1024  # MindSpore splits tensors above 512 MiB into several records with the same name
+
+
+def _rx(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_HF_RX = [(_rx(r.hf), r) for r in MAPPING]
+_MS_RX = [(_rx(r.ms), r) for r in MAPPING]
+
+
+def hf_to_ms(name: str) -> str | None:
+    for rx, rule in _HF_RX:
+        m = rx.match(name)
+        if m:
+            return rule.ms.replace("{i}", m.group(1)) if m.groups() else rule.ms
+    return None
+
+
+def ms_to_hf(name: str) -> str | None:
+    for rx, rule in _MS_RX:
+        m = rx.match(name)
+        if m:
+            return rule.hf.replace("{i}", m.group(1)) if m.groups() else rule.hf
+    return None
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every HF parameter the config implies, in HF's canonical order, with its shape."""
+    h, v, f, q, kv = cfg.hidden_size, cfg.vocab_size, cfg.ffn_size, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+                       p + "mlp.up_proj.weight": (f, h)})
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def mapping_table() -> str:
+    rows = [f"{'HF name':52} {'mindformers name':50} {'shape':30} layout"]
+    rows += [f"{r.hf:52} {r.ms:50} {r.shape:30} {r.layout}" for r in MAPPING]
+    rows += ["", f"{TIED_COPY} with tie_word_embeddings: must equal the embedding; not stored; ms2hf writes it back",
+             f"{BUFFER.pattern.replace(chr(92), '')}: buffer, checked against rope_theta, kept in conversion.json",
+             "layout 'same': both sides store Linear weights [out, in]; no transpose, no q/k permutation"]
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------------------- HF config rules
+
+_HF_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.02, hidden_act="silu")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def model_config_from_hf(hf_config: dict, name: str | None = None) -> ModelConfig:
+    """A ModelConfig from an HF Llama-family `config.json`; refuses, naming the key, what mindformers cannot express."""
+    if not isinstance(hf_config, dict):
+        raise LabkitError("config.json must hold a JSON object")
+    c = {**_HF_DEFAULTS, **hf_config}
+    bad: list[str] = []
+    mtype, archs = c.get("model_type"), c.get("architectures") or []
+    if mtype not in ("llama", "mistral"):
+        bad.append(f"model_type={mtype!r}: only Llama-family decoders ('llama', or 'mistral' without a sliding window)")
+    if mtype == "mistral" and hf_config.get("sliding_window", 4096) is not None:
+        bad.append(f"sliding_window={hf_config.get('sliding_window', 4096)}: mindformers' Llama has no sliding window")
+    if any(a not in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+        bad.append(f"architectures={archs}: expected ['LlamaForCausalLM']")
+    missing = [k for k in _REQUIRED if k not in hf_config]
+    if missing:
+        raise LabkitError("config.json cannot be converted: " + "; ".join(bad + [f"{', '.join(missing)} missing"]),
+                          "give the complete HF config.json of a Llama-family model")
+    heads = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads) or c["hidden_size"] % heads:
+        bad.append(f"head_dim={c.get('head_dim')}: mindformers needs head_dim = hidden_size / num_attention_heads "
+                   f"= {c['hidden_size'] / heads:g}")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            bad.append(f"{key}=true: mindformers' Llama has no bias there")
+    rs = c.get("rope_scaling")
+    if rs and (rs.get("rope_type") or rs.get("type")) not in (None, "default"):
+        bad.append(f"rope_scaling={rs}: mindformers' Llama applies plain RoPE only (rope_theta)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        bad.append(f"partial_rotary_factor={c['partial_rotary_factor']}: RoPE on all dimensions only")
+    if c.get("hidden_act") != "silu":
+        bad.append(f"hidden_act={c.get('hidden_act')!r}: mindformers' Llama FFN is SwiGLU (silu)")
+    if c.get("attention_dropout", 0.0):
+        bad.append(f"attention_dropout={c['attention_dropout']}: mindformers' Llama has no attention dropout")
+    if c.get("quantization_config"):
+        bad.append("quantization_config: quantized checkpoints are not supported; use a float checkpoint")
+    if bad:
+        raise LabkitError("config.json has what mindformers' Llama cannot express: " + "; ".join(bad),
+                          "use a checkpoint without these features; nothing was written")
+    eos = c["eos_token_id"]
+    first = lambda x, d: (x[0] if x else d) if isinstance(x, list) else (d if x is None else x)  # noqa: E731
+    data = dict(name=name or str(hf_config.get("_name_or_path") or "hf-llama").rstrip("/").split("/")[-1] or "hf-llama",
+                vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+                intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c["tie_word_embeddings"],
+                bos_token_id=first(c["bos_token_id"], 1), eos_token_id=first(eos, 2),
+                pad_token_id=first(c["pad_token_id"], 0), init_std=c["initializer_range"])
+    return load(ModelConfig, data, "config.json")
+
+
+def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+    """The HF config.json for a ModelConfig. With `base` (the recorded original), only what changed is rewritten,
+    so an unchanged model gets its original config.json back key for key."""
+    fresh = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", vocab_size=cfg.vocab_size,
+                 hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
+                 num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                 rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
+                 max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+                 bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+                 initializer_range=cfg.init_std, attention_bias=False, mlp_bias=False, dtype=dtype)
+    if base is None:
+        return fresh
+    out = dict(base)
+    was = to_dict(model_config_from_hf(base, name=cfg.name))
+    hf_key = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads",
+                  init_std="initializer_range")
+    for k, v in to_dict(cfg).items():
+        if k not in ("name", "multiple_of", "ffn_dim_multiplier") and v != was[k]:
+            key = hf_key.get(k, k)
+            out[key] = fresh[key] if key in fresh else v
+    if "head_dim" in out:
+        out["head_dim"] = cfg.head_dim
+    for key in ("dtype", "torch_dtype"):
+        if key in out:
+            out[key] = dtype
+    return out
+
+
+# ---------------------------------------------------------------------------------- dtype helpers
+
+
+def cast(arr: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Convert stored data between float32/float16/bfloat16 (bfloat16 as uint16 bits; rounding to nearest even)."""
+    if src == dst:
+        return arr
+    if src == "bfloat16":
+        f32 = (arr.astype(np.uint32) << 16).view(np.float32)
+    else:
+        f32 = arr.astype(np.float32)
+    if dst == "float32":
+        return f32
+    if dst == "float16":
+        return f32.astype(np.float16)
+    u = f32.view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(f32), ((u >> 16) | 0x40).astype(np.uint16), bits)
+
+
+def as_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    return cast(arr, dtype, "float32")
+
+
+# ------------------------------------------------------------------------------- reading HF checkpoints
+
+
+@dataclass
+class SrcTensor:
+    name: str
+    dtype: str  # float32 | float16 | bfloat16 | the raw tag when unsupported
+    shape: tuple
+    file: str
+    offset: int | None = None  # absolute byte offset (safetensors)
+    nbytes: int = 0
+
+
+@dataclass
+class HFSource:
+    root: Path
+    config: dict
+    format: str  # safetensors | pytorch_bin
+    files: list[str]
+    index: dict | None
+    tensors: list[SrcTensor]
+    metadata: dict = field(default_factory=dict)  # safetensors __metadata__ of the first file
+    _bin: tuple | None = None
+
+    def read(self, t: SrcTensor) -> np.ndarray:
+        if self.format == "safetensors":
+            with open(self.root / t.file, "rb") as f:
+                f.seek(t.offset)
+                arr = np.fromfile(f, dtype=_STORE[t.dtype], count=t.nbytes // np.dtype(_STORE[t.dtype]).itemsize)
+            return arr.reshape(t.shape)
+        import torch
+
+        if self._bin is None or self._bin[0] != t.file:
+            self._bin = None  # drop the previous shard before mapping the next
+            self._bin = (t.file, _torch_load(self.root / t.file))
+        tensor = self._bin[1][t.name]
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+
+
+def _torch_load(path: Path) -> dict:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _st_header(path: Path) -> tuple[dict, list[SrcTensor]]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise LabkitError(f"{path} is not a safetensors file (bad header)", "re-download or re-save the shard")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", None) or {}
+    out = []
+    for name, h in header.items():
+        a, b = h["data_offsets"]
+        if 8 + n + b > size:
+            raise LabkitError(f"{path} is truncated: '{name}' ends past the end of the file", "re-download the shard")
+        out.append(SrcTensor(name, _ST.get(h["dtype"], h["dtype"]), tuple(h["shape"]), path.name, 8 + n + a, b - a))
+    out.sort(key=lambda t: t.offset)
+    return meta, out
+
+
+def open_hf(src: str | Path) -> HFSource:
+    """Read the structure of an HF checkpoint directory (config, files, names, dtypes, shapes), not its data."""
+    root = Path(src)
+    if not (root / "config.json").is_file():
+        raise LabkitError(f"{root / 'config.json'} not found", "--src must be an HF model directory with config.json")
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    for fmt, index_name, single in (("safetensors", "model.safetensors.index.json", "model.safetensors"),
+                                    ("pytorch_bin", "pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = None
+        if (root / index_name).is_file():
+            index = json.loads((root / index_name).read_text(encoding="utf-8"))
+            files = list(dict.fromkeys(index.get("weight_map", {}).values()))
+            missing = [f for f in files if not (root / f).is_file()]
+            if missing:
+                raise LabkitError(f"{index_name} lists shards that are missing: {', '.join(missing)}",
+                                  "copy every shard into the directory")
+        elif (root / single).is_file():
+            files = [single]
+        else:
+            continue
+        tensors, meta = [], {}
+        for i, f in enumerate(files):
+            if fmt == "safetensors":
+                m, ts = _st_header(root / f)
+                meta = meta if i else m
+            else:
+                ts = [SrcTensor(k, _torch_dtype(v), tuple(v.shape), f, None, v.numel() * v.element_size())
+                      for k, v in _torch_load(root / f).items()]
+            tensors += ts
+        if index is not None:
+            stray = sorted(set(index["weight_map"]) ^ {t.name for t in tensors})
+            if stray:
+                raise LabkitError(f"{index_name} and the shards disagree on: {', '.join(stray[:10])}",
+                                  "the index must list exactly the tensors the shards hold")
+        return HFSource(root, config, fmt, files, index, tensors, meta)
+    raise LabkitError(f"no weights in {root}",
+                      "expected model.safetensors, model.safetensors.index.json + shards, or pytorch_model.bin")
+
+
+def _torch_dtype(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------ MindSpore checkpoint streaming
+
+
+class CkptWriter:
+    """Writes a MindSpore checkpoint one tensor at a time. The format is a protobuf `Checkpoint` whose repeated
+    `value` records are serialised one by one and concatenated (as `mindspore.save_checkpoint` does; the bytes are
+    equal, see tests). The small protobuf framing is encoded here so the tensor data is written without copies."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "wb")
+        self.bytes = 0
+
+    def write(self, name: str, arr: np.ndarray, dtype: str) -> None:
+        raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+        dims = b"".join(b"\x08" + _enc_varint(d) for d in arr.shape)
+        for start in range(0, max(len(raw), 1), CKPT_CHUNK):
+            piece = raw[start:start + CKPT_CHUNK]
+            tensor = dims + _enc_bytes(0x12, _MS_TAG[dtype].encode()) + b"\x1a" + _enc_varint(len(piece))
+            value_head = _enc_bytes(0x0A, name.encode()) + b"\x12" + _enc_varint(len(tensor) + len(piece)) + tensor
+            head = b"\x0a" + _enc_varint(len(value_head) + len(piece)) + value_head
+            self._f.write(head)
+            self._f.write(piece)
+            self.bytes += len(head) + len(piece)
+
+    def close(self):
+        self._f.close()
+
+
+def _enc_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _enc_bytes(key: int, data: bytes) -> bytes:
+    return bytes([key]) + _enc_varint(len(data)) + data
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+@dataclass
+class CkptEntry:
+    name: str
+    dtype: str
+    shape: tuple
+    chunks: list  # (offset, length) of tensor_content pieces
+
+
+def ckpt_index(path: str | Path) -> dict[str, CkptEntry]:
+    """Names, dtypes, shapes and data offsets of a MindSpore checkpoint, in file order, without loading the data."""
+    import mmap
+
+    path = Path(path)
+    out: dict[str, CkptEntry] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos, end = 0, len(buf)
+        while pos < end:
+            if buf[pos:pos + 7] == b"crc_num":
+                break
+            key, pos = _varint(buf, pos)
+            length, pos = _varint(buf, pos)
+            if key != 0x0A:
+                raise LabkitError(f"{path} is not a plain MindSpore checkpoint (encrypted or corrupt)",
+                                  "convert from an unencrypted checkpoint")
+            name, dims, tag, content, p, stop = None, [], None, None, pos, pos + length
+            while p < stop:  # Checkpoint.Value: tag=1 (string), tensor=2 (TensorProto)
+                k, p = _varint(buf, p)
+                n, p = _varint(buf, p)
+                if k == 0x0A:
+                    name = bytes(buf[p:p + n]).decode()
+                elif k == 0x12:
+                    q, tend = p, p + n
+                    while q < tend:  # TensorProto: dims=1 (varint), tensor_type=2, tensor_content=3
+                        kk, q = _varint(buf, q)
+                        if kk == 0x08:
+                            d, q = _varint(buf, q)
+                            dims.append(d)
+                            continue
+                        if kk == 0x0A:  # packed dims
+                            nn, q = _varint(buf, q)
+                            qe = q + nn
+                            while q < qe:
+                                d, q = _varint(buf, q)
+                                dims.append(d)
+                            continue
+                        nn, q = _varint(buf, q)
+                        if kk == 0x12:
+                            tag = bytes(buf[q:q + nn]).decode()
+                        elif kk == 0x1A:
+                            content = (q, nn)
+                        q += nn
+                else:
+                    raise LabkitError(f"{path}: record '{name}' is not a tensor (map tensors are not supported)")
+                p += n
+            if tag not in _MS:
+                raise LabkitError(f"{path}: '{name}' has dtype {tag}", "only Float32, Float16 and BFloat16 are supported")
+            entry = out.setdefault(name, CkptEntry(name, _MS[tag], tuple(dims), []))
+            entry.chunks.append(content)
+            pos = stop
+    return out
+
+
+def read_ckpt_tensor(path: str | Path, entry: CkptEntry) -> np.ndarray:
+    """One tensor's stored data (bfloat16 as uint16 bits)."""
+    parts = []
+    with open(path, "rb") as f:
+        for off, n in entry.chunks:
+            f.seek(off)
+            parts.append(np.fromfile(f, dtype=np.uint8, count=n))
+    raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return raw.view(_STORE[entry.dtype]).reshape(entry.shape)
+
+
+# ------------------------------------------------------------------------------------- hf2ms
+
+
+def _target_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Parameter names and shapes of the mindformers model itself (built without allocating weights)."""
+    from .model import build_model
+
+    quiet_console()
+    model = build_model(cfg, seq_length=8, no_init=True)
+    return {n: tuple(p.shape) for n, p in model.parameters_and_names()}
+
+
+def quiet_console() -> None:
+    """mindformers logs INFO lines to stdout; keep its console to errors (the log files still get everything)."""
+    import logging
+
+    from .model import quiet_mindformers
+
+    quiet_mindformers()
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # its console handler binds sys.stdout when created
+        import mindformers  # noqa: F401
+
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
+        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
+            for h in lg.handlers:
+                if type(h).__name__ == "LimitedRepeatHandler":
+                    h.setLevel(logging.ERROR)
+
+
+def _plan(src: HFSource, cfg: ModelConfig) -> list[dict]:
+    """Match every source tensor to its target; collect every problem, then refuse with all of them at once."""
+    want = expected_hf_shapes(cfg)
+    steps, unknown, wrong, bad_dtype = [], [], [], []
+    seen = set()
+    for t in src.tensors:
+        step = dict(hf_name=t.name, ms_name=None, role="param", shape=list(t.shape), source_dtype=t.dtype, file=t.file)
+        if t.dtype not in DTYPES:
+            bad_dtype.append(f"{t.name} ({t.dtype})")
+        if t.name in want:
+            step["ms_name"] = hf_to_ms(t.name)
+            if t.shape != want[t.name]:
+                hint = " (looks transposed: HF stores Linear weights [out, in])" if t.shape == want[t.name][::-1] else ""
+                if t.name in ("model.embed_tokens.weight", "lm_head.weight") and t.shape[1:] == want[t.name][1:]:
+                    hint = f" (the tensor has {t.shape[0]} rows, config.json vocab_size is {cfg.vocab_size})"
+                wrong.append(f"{t.name} {list(t.shape)} but config.json implies {list(want[t.name])}{hint}")
+            seen.add(t.name)
+        elif t.name == TIED_COPY and cfg.tie_word_embeddings:
+            step["role"] = "tied_copy"
+            if t.shape != (cfg.vocab_size, cfg.hidden_size):
+                wrong.append(f"{t.name} {list(t.shape)} but the tied embedding is {[cfg.vocab_size, cfg.hidden_size]}")
+        elif BUFFER.match(t.name) and int(BUFFER.match(t.name).group(1)) < cfg.num_layers:
+            step["role"] = "buffer"
+        else:
+            unknown.append(t.name)
+        steps.append(step)
+    missing = [k for k in want if k not in seen]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} source key(s) without a target: {', '.join(unknown[:8])}"
+                        + (" ..." if len(unknown) > 8 else ""))
+    if missing:
+        problems.append(f"{len(missing)} target parameter(s) without a source: {', '.join(missing[:8])}"
+                        + (" ..." if len(missing) > 8 else ""))
+    if wrong:
+        problems.append("shape mismatch: " + "; ".join(wrong[:8]))
+    if bad_dtype:
+        problems.append("unsupported dtype: " + ", ".join(bad_dtype[:8]))
+    if problems:
+        raise LabkitError("cannot convert " + str(src.root) + ": " + " | ".join(problems),
+                          "fix the checkpoint or config.json so names and shapes agree; nothing was written")
+    return steps
+
+
+def _check_target(steps: list[dict], cfg: ModelConfig) -> None:
+    target = _target_shapes(cfg)
+    got = {s["ms_name"]: tuple(s["shape"]) for s in steps if s["ms_name"]}
+    diff = [f"{n}: target {list(target.get(n, ()))}, source {list(got.get(n, ()))}"
+            for n in sorted(set(target) | set(got)) if target.get(n) != got.get(n)]
+    if diff:
+        raise LabkitError("the mindformers model does not match the mapped weights: " + "; ".join(diff[:8]),
+                          "this is a mapping bug or an unsupported config; nothing was written")
+
+
+def _copy_side_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES + EXTRA_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    # only for checkpoints big enough to wait for; None = on unless stderr is not a terminal
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False,
+                disable=None if total > 200e6 else True)
+
+
+def mindformers_yaml(cfg: ModelConfig, seq_length: int | None = None) -> str:
+    from .model import llama_config_kwargs
+
+    kw = llama_config_kwargs(cfg, seq_length=seq_length or cfg.max_position_embeddings)
+    head = ("# mindformers model block for this checkpoint (CPU-safe flags; on Ascend set fused_rms_norm: true,\n"
+            "# use_rope_slice: false, use_flash_attention: true). Weights: model.ckpt beside this file.\n")
+    return head + yaml.safe_dump({"model": {"model_config": {"type": "LlamaConfig", **kw},
+                                            "arch": {"type": "LlamaForCausalLM"}}}, sort_keys=False)
+
+
+def hf2ms(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite: bool = False,
+          check_target: bool = True) -> dict:
+    """Convert an HF Llama checkpoint directory into a converted directory (see the module docstring)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise LabkitError(f"--dtype {dtype} is not supported", f"use one of {', '.join(DTYPES)}")
+    t0 = time.perf_counter()
+    source = open_hf(src)
+    cfg = model_config_from_hf(source.config, name=Path(src).resolve().name)
+    steps = _plan(source, cfg)
+    if check_target:
+        _check_target(steps, cfg)
+    embed_crc = None
+    total = sum(t.nbytes for t in source.tensors)
+    with atomic_dir(dst, overwrite=overwrite) as tmp, _progress(total, "hf2ms") as bar:
+        writer = CkptWriter(tmp / "model.ckpt")
+        try:
+            for t, step in zip(source.tensors, steps):
+                arr = source.read(t)
+                step["crc32"] = zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                if step["role"] == "param":
+                    out = dtype or t.dtype
+                    step["stored_dtype"] = out
+                    writer.write(step["ms_name"], cast(arr, t.dtype, out), out)
+                    if t.name == "model.embed_tokens.weight":
+                        embed_crc = (t.dtype, step["crc32"])
+                elif step["role"] == "buffer":
+                    step["data_b64"] = base64.b64encode(arr.tobytes()).decode()
+                    _check_inv_freq(t.name, as_float32(arr, t.dtype), cfg)
+                else:
+                    step["copy_of"] = "model.embed_tokens.weight"
+                bar.update(t.nbytes)
+                del arr
+        finally:
+            writer.close()
+        for s in steps:  # a tied lm_head must be the embedding, bit for bit
+            if s["role"] == "tied_copy" and (s["source_dtype"], s["crc32"]) != embed_crc:
+                raise LabkitError(f"{s['hf_name']} differs from model.embed_tokens.weight but tie_word_embeddings is "
+                                  "true", "set tie_word_embeddings: false in config.json if the head is separate")
+        stored = sorted({s["stored_dtype"] for s in steps if "stored_dtype" in s})
+        record = dict(format="labkit-converted/1", labkit_version=__version__, direction="hf2ms",
+                      source=dict(format=source.format, files=source.files, sharded=source.index is not None,
+                                  index_metadata=(source.index or {}).get("metadata"), metadata=source.metadata),
+                      dtype=stored[0] if len(stored) == 1 else "mixed", tensors=steps, hf_config=source.config)
+        (tmp / "model.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+        (tmp / "mindformers_model.yaml").write_text(mindformers_yaml(cfg), encoding="utf-8")
+        record["copied_files"] = _copy_side_files(source.root, tmp)
+        (tmp / "conversion.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+        written = writer.bytes
+    secs = time.perf_counter() - t0
+    return dict(ok=True, direction="hf2ms", src=str(src), dst=str(dst), tensors=len(steps),
+                parameters=cfg.num_params, source_format=source.format, sharded=source.index is not None,
+                source_dtypes=sorted({t.dtype for t in source.tensors}), dtype=record["dtype"], bytes_read=total,
+                bytes_written=written, seconds=round(secs, 3), mb_per_s=round(total / 1e6 / max(secs, 1e-9), 1),
+                copied_files=record["copied_files"])
+
+
+def _check_inv_freq(name: str, inv: np.ndarray, cfg: ModelConfig) -> None:
+    d = cfg.head_dim
+    expect = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if inv.shape != expect.shape or not np.allclose(inv, expect, rtol=1e-3):
+        raise LabkitError(f"{name} does not match rope_theta={cfg.rope_theta:g} from config.json",
+                          "the checkpoint was trained with another RoPE base: fix rope_theta in config.json")
+
+
+# ------------------------------------------------------------------------------------- converted dirs
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / "model.yaml"
+    if not path.is_file():
+        raise LabkitError(f"{path} not found", "point at a directory written by `labkit convert hf2ms`")
+    return load(ModelConfig, yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
+
+
+def load_converted(directory: str | Path, bf16: str = "float32") -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(ModelConfig, {mindformers name: numpy array}). numpy has no bfloat16: bf16 tensors come back as float32
+    (exact) or, with bf16="bits", as their uint16 bit patterns."""
+    cfg = read_model_config(directory)
+    path = Path(directory) / "model.ckpt"
+    if not path.is_file():
+        raise LabkitError(f"{path} not found", "convert again: the directory is incomplete")
+    out = {}
+    for name, e in ckpt_index(path).items():
+        arr = read_ckpt_tensor(path, e)
+        out[name] = arr if (e.dtype != "bfloat16" or bf16 == "bits") else as_float32(arr, "bfloat16")
+    return cfg, out
+
+
+def write_converted(dst: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str = "float32",
+                    overwrite: bool = False, copy_from: str | Path | None = None) -> Path:
+    """Write a converted directory from mindformers-named float arrays (e.g. after resizing the embeddings).
+    Tokenizer/generation files and the HF record (names, order) are carried over from `copy_from`."""
+    want = {hf_to_ms(k): v for k, v in expected_hf_shapes(cfg).items()}
+    diff = sorted(n for n in set(want) | set(tensors) if n not in tensors or want.get(n) != tuple(tensors[n].shape))
+    if diff:
+        raise LabkitError(f"tensors do not fit model {cfg.name}: {', '.join(diff[:8])}",
+                          "give every mindformers parameter with the shape the config implies")
+    with atomic_dir(dst, overwrite=overwrite) as tmp:
+        w = CkptWriter(tmp / "model.ckpt")
+        try:
+            for n in want:
+                src_dt = "bfloat16" if tensors[n].dtype == np.uint16 else str(tensors[n].dtype)
+                w.write(n, cast(tensors[n], src_dt, dtype), dtype)
+        finally:
+            w.close()
+        (tmp / "model.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+        (tmp / "mindformers_model.yaml").write_text(mindformers_yaml(cfg), encoding="utf-8")
+        if copy_from:
+            _copy_side_files(Path(copy_from), tmp)
+            rec_path = Path(copy_from) / "conversion.json"
+            if rec_path.is_file():
+                rec = json.loads(rec_path.read_text(encoding="utf-8"))
+                for s in rec["tensors"]:
+                    if s.get("ms_name") in tensors:
+                        s["shape"] = list(tensors[s["ms_name"]].shape)
+                rec["dtype"] = dtype
+                (tmp / "conversion.json").write_text(json.dumps(rec, indent=1), encoding="utf-8")
+    return Path(dst)
+
+
+# ------------------------------------------------------------------------------------- ms2hf
+
+
+def _st_write(path: Path, items: list[tuple[str, str, tuple]], fetch, metadata: dict, bar) -> dict[str, int]:
+    """Stream a safetensors file: the header is known from (name, dtype, shape); data follows in that order."""
+    header, off = {"__metadata__": metadata}, 0
+    for name, dt, shape in items:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORE[dt]).itemsize
+        header[name] = {"dtype": _ST_TAG[dt], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    crcs = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, dt, shape in items:
+            arr = np.ascontiguousarray(fetch(name, dt))
+            view = memoryview(arr).cast("B")
+            crcs[name] = zlib.crc32(view)
+            f.write(view)
+            bar.update(len(view))
+    return crcs
+
+
+def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite: bool = False) -> dict:
+    """Write an HF checkpoint (config.json, safetensors, index when sharded, tokenizer files) from a converted dir."""
+    if dtype is not None and dtype not in DTYPES:
+        raise LabkitError(f"--dtype {dtype} is not supported", f"use one of {', '.join(DTYPES)}")
+    t0 = time.perf_counter()
+    src = Path(src)
+    cfg = read_model_config(src)
+    ckpt = src / "model.ckpt"
+    if not ckpt.is_file():
+        raise LabkitError(f"{ckpt} not found", "convert again: the directory is incomplete")
+    index = ckpt_index(ckpt)
+    want = {hf_to_ms(k): (k, v) for k, v in expected_hf_shapes(cfg).items()}
+    bad = [f"{n} {list(e.shape)} (expected {list(want[n][1]) if n in want else 'no such parameter'})"
+           for n, e in index.items() if n not in want or want[n][1] != e.shape]
+    bad += [f"{n} missing" for n in want if n not in index]
+    if bad:
+        raise LabkitError(f"{ckpt} does not match {src / 'model.yaml'}: " + "; ".join(bad[:8]),
+                          "the checkpoint and model.yaml must describe the same model")
+    rec_path = src / "conversion.json"
+    rec = json.loads(rec_path.read_text(encoding="utf-8")) if rec_path.is_file() else None
+    if rec and not cfg.tie_word_embeddings:  # untied since: lm_head is a parameter now
+        rec["tensors"] = [s for s in rec["tensors"] if s["role"] != "tied_copy"]
+    if rec:  # the recorded names, order, files and dtypes; shapes from the checkpoint (it may have been resized)
+        steps = [s for s in rec["tensors"] if s["role"] != "param" or s["ms_name"] in index]
+        have = {s["ms_name"] for s in steps}
+        steps += [dict(hf_name=want[n][0], ms_name=n, role="param", source_dtype=index[n].dtype,
+                       file=rec["source"]["files"][-1]) for n in want if n not in have]
+        if rec["source"]["format"] == "pytorch_bin":
+            for s in steps:
+                s["file"] = re.sub(r"^pytorch_model", "model", s["file"]).replace(".bin", ".safetensors")
+    else:
+        steps = [dict(hf_name=h, ms_name=n, role="param", source_dtype=index[n].dtype, file="model.safetensors")
+                 for n, (h, _) in want.items()]
+    embed = hf_to_ms("model.embed_tokens.weight")
+
+    def fetch(hf_name: str, out_dtype: str) -> np.ndarray:
+        s = by_hf[hf_name]
+        if s["role"] == "buffer":
+            return np.frombuffer(base64.b64decode(s["data_b64"]), _STORE[s["source_dtype"]]).reshape(s["shape"])
+        e = index[embed if s["role"] == "tied_copy" else s["ms_name"]]
+        return cast(read_ckpt_tensor(ckpt, e), e.dtype, out_dtype)
+
+    by_hf = {s["hf_name"]: s for s in steps}
+    for s in steps:
+        ms_name = embed if s["role"] == "tied_copy" else s.get("ms_name")
+        s["out_dtype"] = dtype or s["source_dtype"]
+        s["out_shape"] = tuple(index[ms_name].shape) if ms_name else tuple(s["shape"])
+    files = list(dict.fromkeys(s["file"] for s in steps))
+    total = sum(int(np.prod(s["out_shape"])) * np.dtype(_STORE[s["out_dtype"]]).itemsize for s in steps)
+    meta = {"format": "pt", **(((rec or {}).get("source") or {}).get("metadata") or {})}
+    out_dtypes = sorted({s["out_dtype"] for s in steps})
+    crcs: dict[str, int] = {}
+    with atomic_dir(dst, overwrite=overwrite) as tmp, _progress(total, "ms2hf") as bar:
+        for f in files:
+            items = [(s["hf_name"], s["out_dtype"], s["out_shape"]) for s in steps if s["file"] == f]
+            crcs.update(_st_write(tmp / f, items, fetch, meta, bar))
+        if len(files) > 1:
+            imeta = dict((rec or {}).get("source", {}).get("index_metadata") or {})
+            imeta["total_size"] = total
+            wmap = {s["hf_name"]: s["file"] for s in steps}
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": imeta, "weight_map": wmap}, indent=2), encoding="utf-8")
+        hf_cfg = hf_config_from_model(cfg, (rec or {}).get("hf_config"), out_dtypes[0] if len(out_dtypes) == 1
+                                      else "float32")
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+        copied = _copy_side_files(src, tmp)
+    exact = [s["hf_name"] for s in steps if "crc32" in s and s["out_dtype"] == s["source_dtype"]
+             and tuple(s["shape"]) == s["out_shape"]]
+    same = sum(crcs[n] == by_hf[n]["crc32"] for n in exact)
+    secs = time.perf_counter() - t0
+    return dict(ok=True, direction="ms2hf", src=str(src), dst=str(dst), tensors=len(steps), files=files,
+                dtype=out_dtypes[0] if len(out_dtypes) == 1 else "mixed", bytes_written=total,
+                seconds=round(secs, 3), mb_per_s=round(total / 1e6 / max(secs, 1e-9), 1), copied_files=copied,
+                crc_checked=len(exact), crc_matches_source=same,
+                bit_exact_to_source=(same == len(exact) == len(steps)) if rec else None)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def add_cli(parser) -> None:
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
+    a = sub.add_parser("hf2ms", help="HF Llama checkpoint -> converted MindSpore directory")
+    a.add_argument("--src", help="HF model directory (config.json + safetensors or pytorch_model*.bin)")
+    a.add_argument("--dst", help="output directory (written atomically)")
+    a.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: each tensor's source dtype)")
+    a.add_argument("--overwrite", action="store_true", help="replace --dst if it exists")
+    a.add_argument("--show-mapping", action="store_true", help="print the HF -> mindformers name mapping and exit")
+    a.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    a.set_defaults(func=_cli_hf2ms)
+    b = sub.add_parser("ms2hf", help="converted MindSpore directory -> HF checkpoint")
+    b.add_argument("--src", required=True, help="directory written by hf2ms (model.ckpt + model.yaml)")
+    b.add_argument("--dst", required=True, help="HF output directory (written atomically)")
+    b.add_argument("--dtype", choices=DTYPES, help="output dtype (default: the recorded source dtype)")
+    b.add_argument("--overwrite", action="store_true", help="replace --dst if it exists")
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    b.set_defaults(func=_cli_ms2hf)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _summary(r: dict) -> str:
+    return (f"{r['direction']}: {r['src']} -> {r['dst']}\n  {r['tensors']} tensors, dtype {r['dtype']}, "
+            f"{r.get('bytes_read', r['bytes_written']) / 1e6:.1f} MB in {r['seconds']:.2f} s ({r['mb_per_s']} MB/s)"
+            + (f"\n  copied: {', '.join(r['copied_files'])}" if r["copied_files"] else ""))
+
+
+def _cli_hf2ms(args) -> int:
+    from .cli import emit
+
+    if args.show_mapping:
+        rules = [dict(hf=r.hf, ms=r.ms, shape=r.shape, layout=r.layout) for r in MAPPING]
+        emit(args, {"ok": True, "mapping": rules, "tied_copy": TIED_COPY, "buffers": BUFFER.pattern}, mapping_table())
+        return 0
+    if not args.src or not args.dst:
+        raise LabkitError("hf2ms needs --src and --dst", "labkit convert hf2ms --src HF_DIR --dst OUT_DIR")
+    r = hf2ms(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    emit(args, r, _summary(r))
+    return 0
+
+
+def _cli_ms2hf(args) -> int:
+    from .cli import emit
+
+    r = ms2hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    text = _summary(r)
+    if r["bit_exact_to_source"] is not None:
+        text += f"\n  bit-exact to the original HF tensors: {r['bit_exact_to_source']} " \
+                f"({r['crc_matches_source']}/{r['tensors']} crc32 match)"
+    emit(args, r, text)
+    return 0
