@@ -164,7 +164,7 @@ def train(corpus, vocab_size: int, output, *, text_field: str = "text", split_on
 def make_variant(src, dst, *, set_config: dict | None = None, drop_config: tuple = (), add_tokens: tuple = (),
                  overwrite: bool = False) -> Path:
     """Copy a tokenizer directory and change it the way real ones drift: keys of tokenizer_config.json set or
-    removed, tokens added (through HF, which writes them into tokenizer_config.json and tokenizer.json)."""
+    removed (a removed special token also leaves special_tokens_map.json), tokens added (through HF, which writes them into tokenizer_config.json and tokenizer.json)."""
     src = lab_path(src)
     with atomic_dir(dst, overwrite=overwrite) as tmp:
         for f in src.iterdir():
@@ -176,11 +176,26 @@ def make_variant(src, dst, *, set_config: dict | None = None, drop_config: tuple
         for k in drop_config:
             cfg.pop(k, None)
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        smap_path = tmp / "special_tokens_map.json"
+        if drop_config and smap_path.is_file():  # a special token dropped from the config goes from the map too
+            smap = json.loads(smap_path.read_text(encoding="utf-8"))
+            smap_path.write_text(json.dumps({k: v for k, v in smap.items() if k not in drop_config}, indent=2) + "\n",
+                                 encoding="utf-8")
         if add_tokens:
             tok = load(tmp, "hf")
             tok.add_tokens(list(add_tokens))
             tok.save_pretrained(str(tmp))
     return Path(dst)
+
+
+def verify_files(directory) -> dict:
+    """{file: True/False}: does each file still have the sha256 recorded in labkit_tokenizer.json?"""
+    d = lab_path(directory)
+    rec = d / "labkit_tokenizer.json"
+    if not rec.is_file():
+        raise LabkitError(f"{rec} not found", "only directories written by `labkit tokenizer train` carry a record")
+    recorded = json.loads(rec.read_text(encoding="utf-8"))["sha256"]
+    return {f: (d / f).is_file() and _sha256(d / f) == h for f, h in recorded.items()}
 
 
 # -------------------------------------------------------------------------------------------- loading
