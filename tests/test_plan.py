@@ -1,0 +1,220 @@
+"""The planner: exact parameter counts (checked against mindformers), the memory and time model against their
+sources, the search and its constraints, the CLI's JSON, the mindformers YAML it writes (checked offline by
+mindformers itself), and the CPU calibration (memory differences within 15%)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from labkit import plan as P
+from labkit.config import ModelConfig, model_preset
+from labkit.errors import LabkitError
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2_7B = 6_738_415_616
+
+
+def _env():
+    bindir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "GLOG_v": "3"}
+
+
+def _cli(*args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-m", "labkit", "plan", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def seven_b():
+    return model_preset("llama2_7b")
+
+
+@pytest.fixture(scope="module")
+def plan8(seven_b):
+    return P.plan(seven_b, 8, 64)
+
+
+def test_llama2_7b_count_matches_mindformers(seven_b):
+    """The config's count is exact, and the same as the structure mindformers builds (without weights)."""
+    from labkit.model import build_model, count_parameters
+
+    assert seven_b.num_params == LLAMA2_7B
+    counts = P.stage_params(seven_b)["only"]
+    assert counts["params"] == LLAMA2_7B and counts["layers"] == 32
+    model = build_model(seven_b, seq_length=4096, no_init=True)
+    assert count_parameters(model) == LLAMA2_7B
+
+
+def test_bytes_per_parameter():
+    assert P.bytes_per_param("fp16")["total"] == 12  # fp16 weights + grads, fp32 AdamW moments (mindformers)
+    assert P.bytes_per_param("bf16", master_weights=True)["total"] == 16  # ZeRO's mixed-precision Adam
+    assert P.bytes_per_param("fp32")["total"] == 16  # 4 + 4 + 8
+
+
+def test_activations_follow_korthikanti():
+    """Table 2 of Korthikanti et al. with Llama's tensors: selective drops the a*s^2 term, full keeps the layer
+    input, tensor parallel splits all but the norms, sequence parallel splits those too."""
+    cfg = ModelConfig(hidden_size=1024, num_heads=16, num_layers=4, vocab_size=1000, intermediate_size=4096)
+    s, b = 2048, 2
+    sbh, scores = s * b * 1024, 16 * s * s * b
+    none = P.layer_activations(cfg, s, b, flash_attention=False)["stored"]
+    assert none == pytest.approx(4 * sbh + 4 * sbh + 4 * s * b * 4096 + scores)  # norms, Q K V ctx, SwiGLU, scores
+    sel = P.layer_activations(cfg, s, b, recompute="selective", flash_attention=False)
+    assert sel["stored"] == pytest.approx(none - scores) and sel["working"] == pytest.approx(scores)
+    assert P.layer_activations(cfg, s, b, recompute="full")["stored"] == sbh
+    fa = P.layer_activations(cfg, s, b, flash_attention=True)["stored"]
+    assert fa == pytest.approx(none - scores + 2 * 16 * s * b)  # flash attention keeps only row statistics
+    tp = P.layer_activations(cfg, s, b, mp=4, flash_attention=False)["stored"]
+    assert tp == pytest.approx(4 * sbh + (none - 4 * sbh) / 4)
+    sp = P.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, flash_attention=False)["stored"]
+    assert sp == pytest.approx(none / 4)
+
+
+def test_flops_per_token_matches_published(seven_b):
+    """torchtitan/PaLM convention for Llama-2-7B at 4096: 46.09 GFLOP per token; full recompute adds a forward."""
+    f = P.flops_per_token(seven_b, 4096)
+    assert f["model"] / 1e9 == pytest.approx(46.09, abs=0.01)
+    full = P.flops_per_token(seven_b, 4096, "full")
+    assert 0.30 < full["hardware"] / full["model"] - 1 < 0.34
+
+
+def test_plan_8_cards_finds_the_mindformers_recipe(plan8):
+    """8 x 64 GiB: mindformers' own 7B recipe (dp 8, batch 1 x accum 8, no recompute, parallel optimizer, flash
+    attention) fits, and it is the planner's first choice."""
+    assert plan8["params"] == LLAMA2_7B and plan8["best"] is not None
+    best = plan8["best"]
+    assert (best["dp"], best["mp"], best["pp"], best["micro_batch"], best["accum"], best["recompute"],
+            best["optimizer_shard"]) == (8, 1, 1, 1, 8, "none", True)
+    assert best is plan8["strategies"][0] and best["fits"]
+    tps = [r["tokens_per_s"] for r in plan8["strategies"] if r["fits"]]
+    assert tps == sorted(tps, reverse=True)
+    for r in plan8["strategies"]:
+        assert r["dp"] * r["mp"] * r["pp"] == 8 and r["dp"] * r["micro_batch"] * r["accum"] == 64
+        m = r["memory_gib"]
+        parts = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"] + m["overhead"]
+        assert m["total"] == pytest.approx(parts, abs=0.01)
+        assert r["fits"] == (m["total"] <= 64) and (("why_not" in r) != r["fits"])
+
+
+def test_plan_1_card_nothing_fits(seven_b):
+    r = P.plan(seven_b, 1, 64)
+    assert r["best"] is None and r["strategies"] and not any(s["fits"] for s in r["strategies"])
+    assert "75.3 GiB" in r["why"] and "devices" in r["why"]
+
+
+def test_constraints_validate_a_chosen_strategy(seven_b):
+    pinned = dict(dp=2, mp=2, pp=2, micro_batch=1, accum=32, recompute="selective", optimizer_shard=True)
+    r = P.plan(seven_b, 8, 64, constraints=pinned)
+    assert len(r["strategies"]) == 1 and r["best"] == r["strategies"][0]
+    assert {k: r["best"][k] for k in pinned} == pinned
+    r = P.plan(seven_b, 8, 64, constraints={"mp": 8, "pp": 1})
+    assert r["strategies"] and all(s["mp"] == 8 for s in r["strategies"])
+    r = P.plan(seven_b, 8, 64, constraints={"mp": 3})
+    assert r["best"] is None and "no valid strategy" in r["why"]
+    with pytest.raises(LabkitError, match="unknown constraint"):
+        P.plan(seven_b, 8, 64, constraints={"tp": 2})
+    with pytest.raises(LabkitError, match="recompute"):
+        P.plan(seven_b, 8, 64, constraints={"recompute": "some"})
+
+
+def test_pipeline_bubble_and_micro_batch_rule(seven_b):
+    r = P.plan(seven_b, 8, 64, constraints={"dp": 1, "mp": 1, "pp": 8, "micro_batch": 1, "recompute": "none"})
+    (row,) = r["strategies"]
+    assert row["time_s"]["bubble"] == pytest.approx(row["time_s"]["compute"] * 7 / 64, rel=1e-3)
+    r = P.plan(seven_b, 8, 64, global_batch=4, constraints={"pp": 8})
+    assert r["best"] is None and any("micro-batches >= stages" in k for k in r["skipped"])
+
+
+def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
+    """The YAML the planner writes builds mindformers' own config objects and the 7B structure (offline)."""
+    from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
+
+    from labkit.model import build_model, count_parameters
+
+    pick = next(r for r in plan8["strategies"] if r["mp"] == 2 and r["pp"] == 2 and r["recompute"] == "selective")
+    y = yaml.safe_load(P.mindformers_parallel_yaml(pick))
+    assert y["parallel"]["parallel_mode"] == 1 and y["parallel_config"]["pipeline_stage"] == 2
+    assert y["parallel_config"]["micro_batch_num"] == pick["accum"] and y["runner_config"]["batch_size"] == 1
+    assert y["recompute_config"] == {**y["recompute_config"], "recompute": False, "select_recompute": True}
+    pc = TransformerOpParallelConfig(recompute=TransformerRecomputeConfig(**y["recompute_config"]),
+                                     **y["parallel_config"])
+    assert (pc.data_parallel, pc.model_parallel, pc.pipeline_stage) == (pick["dp"], 2, 2)
+    assert count_parameters(build_model(seven_b, seq_length=4096, no_init=True, parallel_config=pc)) == LLAMA2_7B
+    auto = yaml.safe_load(P.mindformers_parallel_yaml(pick, parallel_mode="auto_parallel",
+                                                       search_mode="recursive_programming"))
+    assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
+
+
+def test_msrun_command(plan8):
+    best = plan8["best"]
+    assert P.msrun_command(best).startswith("msrun --worker_num=8 --local_worker_num=8 --master_port=8118")
+    two = P.msrun_command({**best, "dp": 16}, nodes=2, node_rank=1, master_addr="10.0.0.1")
+    assert "--worker_num=16 --local_worker_num=8 --master_addr=10.0.0.1 --node_rank=1" in two
+    with pytest.raises(LabkitError):
+        P.msrun_command(best, nodes=3)
+
+
+def test_cli_json_8_and_1_devices():
+    code, out, err = _cli("--preset", "llama2_7b", "--devices", "8", "--device-memory", "64", "--json")
+    assert code == 0, err
+    data = json.loads(out)  # exactly one JSON object on stdout
+    assert data["params"] == LLAMA2_7B and data["best"] in data["strategies"]
+    row = data["strategies"][0]
+    for key in ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard", "memory_gib",
+                "step_time_s", "tokens_per_s", "fits"):
+        assert key in row
+    assert {"total", "weights", "gradients", "optimizer", "activations", "overhead"} <= set(row["memory_gib"])
+    assert "msrun --worker_num=8" in data["msrun"] and "parallel_config:" in data["mindformers_yaml"]
+    code, out, _ = _cli("--preset", "llama2_7b", "--devices", "1", "--device-memory", "64", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["best"] is None and "nothing fits" in data["why"]
+    assert all(not r["fits"] and r["why_not"] for r in data["strategies"])
+
+
+def test_cli_config_file_and_errors(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  preset: tiny\n  num_layers: 6\ndata:\n  seq_len: 256\ntrain:\n  steps: 3\n")
+    code, out, err = _cli("--config", str(cfg), "--devices", "2", "--device-memory", "1", "--device", "a100_80g",
+                          "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["seq_len"] == 256 and data["params"] == model_preset("tiny", num_layers=6).num_params
+    cfg.write_text("model:\n  preset: tiny\n  layers: 6\n")
+    code, out, _ = _cli("--config", str(cfg), "--devices", "2", "--device-memory", "1", "--json")
+    data = json.loads(out)
+    assert code == 2 and not data["ok"] and "layers" in data["error"]
+    code, out, _ = _cli("--preset", "llama2_7b", "--devices", "8", "--device-memory", "64", "--device", "tpu",
+                        "--json")
+    assert code == 2 and "unknown device preset" in json.loads(out)["error"]
+
+
+def test_human_table():
+    code, out, _ = _cli("--preset", "llama2_7b", "--devices", "8", "--device-memory", "64", "--top", "5")
+    assert code == 0 and "tok/s/dev" in out and "msrun --worker_num=8" in out and "more (--top N" in out
+
+
+@pytest.mark.slow
+def test_calibration_memory_differences_within_target(tmp_path):
+    """bench/plan_calibration.py --ci: 5 tiny training configurations, each in its own process; the planner's
+    predicted memory differences match MindSpore's measured memory-pool differences within 15%."""
+    out = tmp_path / "calibration.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_calibration.py"), "--ci", "--json",
+                           "--out", str(out)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data == json.loads(out.read_text())
+    assert len(data["configs"]) >= 5 and len(data["differences"]) >= 4
+    for d in data["differences"]:
+        assert abs(d["pool_mb"]["error"]) <= P_TARGET, d
+    assert data["summary"]["pool_meets_target"]
+    print(proc.stderr[-2500:])  # the table, for the test log
+
+
+P_TARGET = 0.15
