@@ -423,19 +423,36 @@ def peak_memory_mb(device_target: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _mean_over_ranks(value: float) -> float:
-    import mindspore as ms
-    from mindspore.communication import comm_func, get_group_size
+_ALL_REDUCE = []
 
-    out = comm_func.all_reduce(ms.Tensor([value], ms.float32))
-    out = out[0] if isinstance(out, tuple) else out
-    return float(out.asnumpy()[0]) / get_group_size()
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over all ranks. MindSpore 2.9's PyNative collectives (`comm_func.all_reduce`,
+    `comm_func.barrier`) have no CPU kernel ("Create kernelmod for op InnerCommAllReduce failed"), so this is a
+    one-op graph around `ops.AllReduce` (compiled once, ~0.02 s per call on CPU)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    if not _ALL_REDUCE:
+        op = ops.AllReduce()
+
+        @ms.jit
+        def reduce(x):
+            return op(x)
+
+        _ALL_REDUCE.append(reduce)
+    return [float(v) for v in _ALL_REDUCE[0](ms.Tensor(values, ms.float32)).asnumpy()]
+
+
+def _mean_over_ranks(value: float) -> float:
+    from mindspore.communication import get_group_size
+
+    return _all_reduce_sum([value])[0] / get_group_size()
 
 
 def _barrier():
-    from mindspore.communication import comm_func
-
-    comm_func.barrier()
+    """Every rank waits here until all have arrived (an all-reduce completes only when every rank joined it)."""
+    _all_reduce_sum([0.0])
 
 
 def _cfg_dict(cfg):
