@@ -463,20 +463,83 @@ def run_bench(corpus=None, tokenizer_dir=None, seq_len: int = 128, workers=(1, 2
             rows.append(bench_mindrecord(dataset_dir, w, p))
     if not rows:
         raise LabkitError(f"no worker count in {list(workers)} is allowed on {cpus} CPUs", f"use 1..{cpus}")
-    ran = [w for w in workers if w not in refused]
+    r = dict(ok=True, machine=dict(cpus=cpus, processor=platform.processor() or platform.machine()),
+             seq_len=seq_len, n_docs=len(docs), dataset=_display(dataset_dir), rows=rows, refused_workers=refused)
+    r.update(summarize_rows(rows, prefetch))
+    return r
+
+
+def summarize_rows(rows: list[dict], prefetch) -> dict:
+    """Ratios and speed-ups from bench rows (MindRecord figures at the first prefetch size)."""
     fly = {r["workers"]: r["tokens_per_s"] for r in rows if r["pipeline"] == "on-the-fly"}
     mr = {r["workers"]: r["tokens_per_s"] for r in rows if r["pipeline"] == "MindRecord" and r["prefetch"] == prefetch[0]}
-    ratio = {w: round(mr[w] / fly[w], 1) for w in ran}
-    saving = 1 - max(fly.values()) / max(mr.values())  # preprocessing time per token saved, best vs best
-    w1 = min(ran)
-    by_prefetch = {p: max(r["tokens_per_s"] for r in rows if r["pipeline"] == "MindRecord" and r["prefetch"] == p)
-                   for p in prefetch}
-    return dict(ok=True, machine=dict(cpus=cpus, processor=platform.processor() or platform.machine()),
-                seq_len=seq_len, n_docs=len(docs), dataset=_display(dataset_dir), rows=rows, refused_workers=refused,
-                ratio_by_workers=ratio, mindrecord_saving=round(saving, 4),
-                on_the_fly_speedup_by_workers={w: round(fly[w] / fly[w1], 2) for w in ran},
-                mindrecord_speedup_by_workers={w: round(mr[w] / mr[w1], 2) for w in ran},
-                mindrecord_tokens_per_s_by_prefetch=by_prefetch)
+    w1 = min(fly)
+    return dict(ratio_by_workers={w: round(mr[w] / fly[w], 1) for w in fly},
+                mindrecord_saving=round(1 - max(fly.values()) / max(mr.values()), 4),  # time per token, best vs best
+                on_the_fly_speedup_by_workers={w: round(fly[w] / fly[w1], 2) for w in fly},
+                mindrecord_speedup_by_workers={w: round(mr[w] / mr[w1], 2) for w in mr},
+                mindrecord_tokens_per_s_by_prefetch={
+                    p: max(r["tokens_per_s"] for r in rows if r["pipeline"] == "MindRecord" and r["prefetch"] == p)
+                    for p in prefetch})
+
+
+def check_claims(r: dict, loader_tokens_per_s: float, tokens_per_step: int, step_seconds: float | None) -> list:
+    """The seeds' data-pipeline claims against this machine's bench numbers."""
+    out = []
+    saving = r["mindrecord_saving"]
+    out.append(dict(claim="MindRecord saves 90% of preprocessing time", value=saving,
+                    verdict="held" if saving >= 0.9 else "did not hold",
+                    evidence=f"time per token saved by reading packed ids instead of tokenising on the fly: "
+                             f"{saving:.1%} (ratio {1 / max(1 - saving, 1e-9):.1f}x, best vs best)"))
+    load_s = tokens_per_step / loader_tokens_per_s
+    cpus = r["machine"]["cpus"]
+    ev = (f"MindSpore refuses num_parallel_workers above the CPU count ({cpus} here); the loader needs "
+          f"{load_s * 1e3:.2f} ms per step of {tokens_per_step} tokens")
+    if step_seconds is None:
+        out.append(dict(claim="16 workers cut step time 25%", value=None, verdict="not measured", evidence=ev))
+    else:
+        share = load_s / step_seconds
+        out.append(dict(claim="16 workers cut step time 25%", value=round(share, 5),
+                        verdict="held" if share >= 0.25 else "did not hold",
+                        evidence=ev + f", the tiny model {step_seconds * 1e3:.0f} ms: loading is {share:.2%} of a "
+                                      f"step, so no worker count can cut step time by more than that"))
+    pf = r["mindrecord_tokens_per_s_by_prefetch"]
+    if len(pf) >= 2:
+        lo, hi = min(pf), max(pf)
+        gain = pf[hi] / pf[lo] - 1
+        out.append(dict(claim=f"prefetch {hi} instead of {lo} speeds up loading", value=round(gain, 3),
+                        verdict="held" if gain >= 0.1 else "did not hold",
+                        evidence=f"MindRecord loader {pf[lo]:,} vs {pf[hi]:,} tokens/s ({gain:+.0%}); either is "
+                                 f"far faster than the model consumes"))
+    return out
+
+
+def model_step_seconds(seq_len: int = 128, micro_batch: int = 8, steps: int = 2, preset: str = "tiny") -> float:
+    """Seconds per training step (forward, backward, AdamW; graph mode) of a model preset on this machine, to put
+    the loader's time per step in proportion. Compilation is excluded."""
+    from mindspore import nn
+
+    import mindspore as ms
+
+    from .config import model_preset
+    from .model import build_model
+
+    from .tokenizer import _quiet_mindformers_console
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = model_preset(preset)
+    import mindformers  # noqa: F401  (its logger exists only after import)
+
+    _quiet_mindformers_console()
+    model = build_model(cfg, seq_length=seq_len, batch_size=micro_batch, seed=0)
+    model.set_train(True)
+    step = nn.TrainOneStepCell(model, nn.AdamWeightDecay(model.trainable_params(), 1e-4))
+    x = ms.Tensor(np.random.default_rng(0).integers(0, cfg.vocab_size, (micro_batch, seq_len + 1)), ms.int32)
+    step(x).asnumpy()  # compile
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x).asnumpy()
+    return (time.perf_counter() - t0) / steps
 
 
 def format_table(r: dict) -> str:
@@ -523,7 +586,7 @@ def add_cli(parser) -> None:
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
-def _format_build(r: dict) -> str:
+def format_build(r: dict) -> str:
     lines = [f"wrote {r['output']}: {r['n_samples']} samples of {r['sample_len']} tokens from {r['n_documents']} "
              f"documents ({r['n_tokens']} tokens, {r['n_dropped_tokens']} dropped), unk_rate {r['unk_rate']:.4%}, "
              f"{r['seconds']} s", f"verdict: {r['verdict']}"]
@@ -536,7 +599,7 @@ def _cli_build(args) -> int:
     r = build_dataset(args.corpus, args.tokenizer, args.seq_len, args.output, workers=args.workers,
                       text_field=args.text_field, split_on_blank_lines=args.split_on_blank_lines,
                       overwrite=args.overwrite)
-    emit(args, r, _format_build(r))
+    emit(args, r, format_build(r))
     return 1 if r["verdict"] == "fail" else 0
 
 
