@@ -1,0 +1,137 @@
+"""Training: config errors, the schedule, and the equivalences the course claims (resume, accumulation)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit import checkpoint
+from labkit.config import load_run_config
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.model import llama_config_kwargs
+from labkit.config import model_preset
+from labkit.train import check_batch, lr_at, parse_recompute
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_losses.json"
+
+
+def cfg(tmp_path, *sets):
+    return load_run_config("configs/tiny_cpu.yaml",
+                           [f"output_dir={tmp_path}", "train.peak_tflops=0.1", "train.save_every=2", *sets])
+
+
+# ----------------------------------------------------------------------------------------- fast checks
+
+
+def test_shipped_config_loads_and_unknown_keys_are_named():
+    c = load_run_config("configs/tiny_cpu.yaml")
+    assert c.model_config().name == "tiny" and c.train.amp_level == "O0"
+    with pytest.raises(LabkitError, match=r"unknown key 'train.lrr'.*\n.*did you mean 'lr'"):
+        load_run_config("configs/tiny_cpu.yaml", ["train.lrr=1"])
+    with pytest.raises(LabkitError, match="amp_level"):
+        load_run_config("configs/tiny_cpu.yaml", ["train.amp_level=O4"])
+    with pytest.raises(LabkitError, match="micro_batch must be an integer"):
+        load_run_config("configs/tiny_cpu.yaml", ["train.micro_batch=2.5"])
+
+
+def test_global_batch_must_match_the_product():
+    c = load_run_config("configs/tiny_cpu.yaml", ["train.global_batch=32", "train.micro_batch=4", "train.accum=2"])
+    with pytest.raises(LabkitError, match=r"micro_batch 4 x dp 2 x accum 2 = 16") as e:
+        check_batch(c, dp=2)
+    assert "accum = 4" in e.value.fix
+    assert check_batch(c, dp=4) == 32
+
+
+def test_schedule_warms_up_then_decays_to_the_floor_on_its_own_horizon():
+    c = load_run_config("configs/tiny_cpu.yaml", ["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10",
+                                                  "train.decay_steps=100"]).train
+    assert lr_at(0, c) == pytest.approx(1e-4) and lr_at(9, c) == pytest.approx(1e-3)
+    assert lr_at(54, c) == pytest.approx(5.5e-4)  # half way through the cosine
+    assert lr_at(99, c) == pytest.approx(1e-4) and lr_at(500, c) == pytest.approx(1e-4)
+    # stopping early (steps) never changes the schedule: it depends only on decay_steps
+    c2 = load_run_config("configs/tiny_cpu.yaml", ["train.steps=7", "train.lr=1e-3", "train.min_lr=1e-4",
+                                                   "train.warmup_steps=10", "train.decay_steps=100"]).train
+    assert [lr_at(i, c) for i in range(100)] == [lr_at(i, c2) for i in range(100)]
+
+
+def test_recompute_ranges():
+    assert parse_recompute("none", 4) == []
+    assert parse_recompute("last:2", 4) == [2, 3]
+    assert parse_recompute("first:1", 4) == [0]
+    assert parse_recompute("1-2", 4) == [1, 2]
+    assert parse_recompute("all", 3) == [0, 1, 2]
+    with pytest.raises(LabkitError, match="last:K"):
+        parse_recompute("3-9", 4)
+
+
+def test_ascend_takes_fused_kernels_and_flash_attention_from_the_config_alone():
+    """The Ascend path cannot run here; the configuration it produces is what we can check."""
+    kw = llama_config_kwargs(model_preset("llama2_7b"), seq_length=4096, device_target="Ascend",
+                             compute_dtype="float16")
+    assert kw["fused_rms_norm"] and kw["use_flash_attention"] and not kw["use_rope_slice"]
+    cpu = llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU")
+    assert not cpu["fused_rms_norm"] and not cpu["use_flash_attention"] and cpu["use_rope_slice"]
+    with pytest.raises(LabkitError, match="flash attention is not available on CPU"):
+        llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU", use_flash_attention=True)
+
+
+def test_weights_only_files_cannot_resume(tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"")
+    with pytest.raises(LabkitError, match="not a full training checkpoint") as e:
+        checkpoint.load_full(tmp_path)
+    assert "init_checkpoint" in e.value.fix
+    with pytest.raises(LabkitError, match="not a full training checkpoint"):
+        checkpoint.load_full(tmp_path / "model.ckpt")
+
+
+# ------------------------------------------------------------------------------------ real training
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out):
+    import mindspore as ms
+
+    params = ms.load_checkpoint(str(checkpoint.latest(out) / "state.ckpt"))
+    return {k: v.asnumpy() for k, v in params.items() if k.startswith(("model.", "lm_head"))}
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_and_matches_the_golden_losses(tmp_path):
+    from labkit.train import train
+
+    straight = train(cfg(tmp_path / "a", "train.steps=4"))
+    train(cfg(tmp_path / "b", "train.steps=2"))
+    resumed = train(cfg(tmp_path / "b", "train.steps=4"), resume=True)
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
+    assert resumed["steps"] == straight["steps"] == 4
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert a == pytest.approx(golden[:4], abs=2e-4), "the tiny run's first losses changed: a numerical change?"
+    # --resume without a checkpoint, and --resume from a weights-only directory, refuse clearly
+    with pytest.raises(LabkitError, match="no complete checkpoint"):
+        train(cfg(tmp_path / "c", "train.steps=2"), resume=True)
+
+
+@pytest.mark.slow
+def test_accumulation_equals_the_big_batch(tmp_path):
+    from labkit.train import train
+
+    train(cfg(tmp_path / "big", "train.steps=3", "train.micro_batch=8", "train.accum=1"))
+    train(cfg(tmp_path / "acc", "train.steps=3", "train.micro_batch=2", "train.accum=4"))
+    big, acc = _losses(tmp_path / "big"), _losses(tmp_path / "acc")
+    assert big == pytest.approx(acc, abs=1e-5)
+    wb, wa = _weights(tmp_path / "big"), _weights(tmp_path / "acc")
+    assert max(float(abs(wb[k] - wa[k]).max()) for k in wb) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_too_high_learning_rate_is_caught_with_the_step_and_causes(tmp_path):
+    from labkit.train import train
+
+    with pytest.raises(LabkitFailure, match=r"step \d+: loss .* not finite") as e:
+        train(cfg(tmp_path, "train.steps=20", "train.lr=1e4", "train.min_lr=0", "train.warmup_steps=0",
+                  "train.grad_clip=0", "train.save_every=0"))
+    assert "learning rate too high" in e.value.fix
