@@ -219,11 +219,10 @@ def main(argv=None) -> int:
                           json.dumps(result, indent=1))
     except Exception as e:  # noqa: BLE001 - still one JSON object on stdout (a forked child's SystemExit passes)
         result, text = {"ok": False, "error": f"{type(e).__name__}: {e}"}, f"calibration failed: {e}"
-    if real_stdout is not None:
-        sys.stdout.flush()
-        os.dup2(real_stdout, 1)
-        print(json.dumps(result), flush=True)
-        print(text, file=sys.stderr)
+    if real_stdout is not None:  # write the JSON to the saved stdout; fd 1 stays on stderr, because MindSpore
+        print(text, file=sys.stderr, flush=True)  # prints its settings again when the process ends
+        with os.fdopen(real_stdout, "w") as out:
+            out.write(json.dumps(result) + "\n")
     else:
         print(text)
     return 0 if result["ok"] else 1
