@@ -2,7 +2,8 @@
 
 Build: documents are tokenised once (no BOS; EOS appended after every document), concatenated, and cut into samples
 of `seq_len + 1` tokens (the model shifts inputs and labels itself); the tail that fills no sample is dropped and
-counted. The dataset directory appears only when complete (written to a temporary sibling, then renamed):
+counted (the tokenised corpus is held in memory, 4 bytes a token: fine for this lab's corpora, not for a
+multi-billion-token one). The dataset directory appears only when complete (a temporary sibling, then renamed):
   data.mindrecord, data.mindrecord.db   column `input_ids`, int32, shape [seq_len + 1]
   doc_lengths.npy                       tokens per document (EOS included), for histograms
   token_counts.npy                      how often each token id occurs
@@ -93,7 +94,7 @@ def _encode_batch(texts: list[str], tok=None) -> list[np.ndarray]:
     return [np.asarray(x, dtype=np.int32) for x in ids]
 
 
-def _tokenize(docs: list[str], tokenizer_dir, workers: int, progress: bool) -> list[np.ndarray]:
+def _tokenize(docs: list[str], tokenizer_dir, workers: int, progress: bool, tok=None) -> list[np.ndarray]:
     from tqdm.auto import tqdm
 
     batches = [docs[i:i + _BATCH_DOCS] for i in range(0, len(docs), _BATCH_DOCS)]
@@ -102,7 +103,7 @@ def _tokenize(docs: list[str], tokenizer_dir, workers: int, progress: bool) -> l
     out: list[np.ndarray] = []
     try:
         if workers <= 1:
-            tok = _load_fast(tokenizer_dir)
+            tok = tok or _load_fast(tokenizer_dir)
             for b in batches:
                 out += _encode_batch(b, tok)
                 bar.update(len(b))
@@ -170,8 +171,9 @@ def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int 
     eos_id, unk_id = tok.eos_token_id, tok.unk_token_id
     if eos_id is None:
         raise LabkitError(f"tokenizer {tokenizer_dir} has no eos_token", "set eos_token in its tokenizer_config.json")
-    ids = _tokenize(docs, tokenizer_dir, workers, progress)
-    t_tok = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ids = _tokenize(docs, tokenizer_dir, workers, progress, tok)
+    t_tok = time.perf_counter() - t1
     eos = np.array([eos_id], dtype=np.int32)
     stream = np.concatenate([x for d in ids for x in (d, eos)])
     doc_lengths = np.array([len(d) + 1 for d in ids], dtype=np.int32)
