@@ -305,7 +305,7 @@ class TrainConfig:
     amp_level: Literal["O0", "O1", "O2", "O3"] = "O0"  # mixed precision level (see labkit.train.AMP_LEVELS)
     loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
     scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
-    scale_factor: float = 2.0  # loss-scale growth/shrink factor
+    scale_factor: int = 2  # loss-scale growth/shrink factor
     recompute: str = "none"  # activation recomputation: none | all | last:K | first:K | A-B (layer index range)
     seed: int = 1234  # model init, data order
     grad_norm_alert: float = 10.0  # warn when the global gradient norm exceeds this

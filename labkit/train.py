@@ -20,6 +20,7 @@ from pathlib import Path
 from . import checkpoint
 from .config import RunConfig, dump_run_config, load_run_config
 from .errors import LabkitError, LabkitFailure
+from .metrics import read_metrics
 from .model import build_model, quiet_mindformers
 from .paths import atomic_write_text
 
@@ -171,7 +172,13 @@ class Trainer:
             self._load_init(t.init_checkpoint)
         net = self.model
         if t.amp_level == "O1":
-            net = ms.amp.auto_mixed_precision(self.model, "O1")
+            try:
+                net = ms.amp.auto_mixed_precision(self.model, "O1")
+            except Exception as e:  # MindSpore's network rewrite cannot parse mindformers' Linear (2.9.0)
+                raise LabkitFailure(
+                    f"amp_level O1: ms.amp.auto_mixed_precision(model, 'O1') failed on mindformers' Llama: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    "use amp_level O2 (float16 compute through mindformers' own dtype settings) or O0") from e
         net.set_train(True)
         params = self.model.trainable_params()
         decay = [p for p in params if len(p.shape) > 1]
@@ -296,7 +303,7 @@ class Trainer:
             p.set_data(ms.Tensor(params[name].asnumpy(), p.dtype))
         self.step = int(meta["step"])
         self.overflows = int(meta.get("overflows", 0))
-        self.history = [m for m in _read_metrics(self.out) if m["step"] <= self.step]
+        self.history = [m for m in read_metrics(self.out) if m["step"] <= self.step]
         self.log(f"resumed from {ck} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
@@ -459,13 +466,6 @@ def _cfg_dict(cfg):
     import dataclasses
 
     return dataclasses.asdict(cfg)
-
-
-def _read_metrics(out: Path) -> list[dict]:
-    f = Path(out) / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    return [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _rewrite_metrics(out: Path, history: list[dict]):
