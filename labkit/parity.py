@@ -143,7 +143,7 @@ FIXED_BYTES = 2 * 2**30  # frameworks, interpreter, the other side's leftovers
 
 def size_limit(total_bytes: int | None = None) -> dict:
     """The largest model parity can run on this machine, one side at a time. Measured with a TinyLlama-shaped
-    1.1B model (bench/convert_throughput.py --tinyllama --parity): the HF side grew by ~4.3 B/param, the
+    1.1B model (bench/convert_throughput.py --tinyllama --parity): the HF side grew by ~4.2 B/param, the
     MindSpore side by ~3.3 B/param. 85% of RAM is taken as usable."""
     import psutil
 
