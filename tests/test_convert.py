@@ -20,6 +20,7 @@ VARIANTS = {
                                      tie_word_embeddings=False),
     "theta_fp16_sharded": dict(dtype="float16", rope_theta=500000.0, max_shard_size="60KB"),
     "bin_tied": dict(safe_serialization=False),
+    "bin_sharded_untied": dict(safe_serialization=False, max_shard_size="60KB", tie_word_embeddings=False),
 }
 
 
@@ -145,10 +146,12 @@ def test_round_trip_is_bit_exact(name, hf_dirs, converted, tmp_path):
         assert out[k] == src[k], k  # dtype and every byte
     orig = json.loads((hf_dirs[name] / "config.json").read_text())
     assert json.loads((back / "config.json").read_text()) == orig
-    if VARIANTS[name].get("max_shard_size"):
+    if VARIANTS[name].get("max_shard_size"):  # same shards; .bin shards come back as .safetensors
         idx = json.loads((back / "model.safetensors.index.json").read_text())
-        assert idx["weight_map"] == json.loads((hf_dirs[name] / "model.safetensors.index.json").read_text())[
-            "weight_map"]
+        src_index = next(hf_dirs[name].glob("*.index.json"))
+        want = {k: v.replace("pytorch_model", "model").replace(".bin", ".safetensors")
+                for k, v in json.loads(src_index.read_text())["weight_map"].items()}
+        assert idx["weight_map"] == want and len(set(want.values())) > 1
 
 
 def test_recorded_source_and_dtypes(converted):
@@ -293,6 +296,16 @@ def test_interrupted_conversion_leaves_nothing_complete(hf_dirs, tmp_path, monke
     with pytest.raises(LabkitError, match="already exists"):
         (tmp_path / "taken").mkdir()
         convert.hf2ms(hf_dirs["gqa_tied_f32"], tmp_path / "taken")
+
+
+def test_tokenizer_files_travel_both_ways(hf_dirs, tmp_path):
+    src = parity.make_variant(hf_dirs["gqa_tied_f32"], tmp_path / "s")
+    files = {"tokenizer.json": '{"model": {}}', "tokenizer_config.json": "{}", "special_tokens_map.json": "{}"}
+    for name, text in files.items():
+        (src / name).write_text(text)
+    assert set(files) <= set(convert.hf2ms(src, tmp_path / "ms")["copied_files"])
+    convert.ms2hf(tmp_path / "ms", tmp_path / "back")
+    assert all((tmp_path / "back" / n).read_text() == t for n, t in files.items())
 
 
 def test_missing_and_incomplete_sources(tmp_path, hf_dirs):
