@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             if want_json:
                 emit(args, {"ok": False, "error": e.what, "fix": e.fix})
             return code
+        except BrokenPipeError:  # e.g. `labkit convert hf2ms --show-mapping | head`
+            return 0
         except KeyboardInterrupt:
             if want_json:
                 emit(args, {"ok": False, "error": "interrupted"})

@@ -30,6 +30,7 @@ import yaml
 from . import __version__
 from .config import ModelConfig, load, to_dict
 from .errors import LabkitError
+from .model import quiet_mindformers
 from .paths import atomic_dir
 
 # ------------------------------------------------------------------------------------------ the mapping
@@ -484,23 +485,7 @@ def _target_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return {n: tuple(p.shape) for n, p in model.parameters_and_names()}
 
 
-def quiet_console() -> None:
-    """mindformers logs INFO lines to stdout; keep its console to errors (the log files still get everything)."""
-    import logging
-
-    from .model import quiet_mindformers
-
-    quiet_mindformers()
-    import contextlib
-
-    with contextlib.redirect_stdout(sys.stderr):  # its console handler binds sys.stdout when created
-        import mindformers  # noqa: F401
-
-    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
-        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
-            for h in lg.handlers:
-                if type(h).__name__ == "LimitedRepeatHandler":
-                    h.setLevel(logging.ERROR)
+quiet_console = quiet_mindformers  # the name notebook 01 and the bench use
 
 
 def _plan(src: HFSource, cfg: ModelConfig) -> list[dict]:

@@ -45,9 +45,26 @@ def backend_flags(device_target: str, use_flash_attention: bool | None = None) -
 
 
 def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
-    """Send mindformers' file logs under runs/ instead of ./output (must run before `import mindformers`)."""
+    """Send mindformers' file logs under runs/ instead of ./output and keep its console to errors.
+
+    mindformers logs INFO lines to stdout through handlers bound when it is first imported, so the import happens
+    here, once, with stdout pointed at stderr; the log files still get everything."""
+    import contextlib
+    import logging
+    import sys
+
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("LOG_MF_PATH", str(log_dir or RUNS / "logs" / "mindformers"))
+    if "mindformers" in sys.modules and getattr(quiet_mindformers, "done", False):
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        import mindformers  # noqa: F401
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
+        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
+            for h in lg.handlers:
+                if type(h).__name__ == "LimitedRepeatHandler":
+                    h.setLevel(logging.ERROR)
+    quiet_mindformers.done = True
 
 
 def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, device_target: str = "CPU",

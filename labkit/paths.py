@@ -39,6 +39,9 @@ def atomic_dir(dst: str | os.PathLike, overwrite: bool = False):
         raise LabkitError(f"output directory {dst} already exists", "choose another --output or delete it first")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dst.name}-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the finished folder gets the usual permissions
     try:
         yield tmp
     except BaseException:
