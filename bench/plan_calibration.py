@@ -6,8 +6,8 @@ labkit.model.build_model + mindspore.value_and_grad + mindformers' AdamW, float3
     the live tensors of the step (activations, gradients, temporaries); weights and optimizer states are
     Parameters and live outside the pool;
   - peak process RSS (ru_maxrss): everything, including graph compilation and the CPU kernels' own buffers;
-  - step time (median wall time after the compiling step) and a GEMM probe taken just before, so the predicted
-    time uses the machine's speed at that moment (the machine may be shared).
+  - step time, as process CPU seconds (summed over threads; robust when other processes share the machine) and
+    as wall time, median over the steps after the compiling one, and a GEMM probe measured the same two ways.
 Fixed overheads cancel in DIFFERENCES between configurations, which are compared with the planner's predictions:
 pool differences against activations + gradients, RSS differences against the whole memory model.
 
@@ -74,6 +74,7 @@ def measure(c: dict, steps: int) -> dict:
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     gemm = measure_gemm_peak(n=512, seconds=0.7)
+    gemm_cpu = _gemm_per_cpu_second()
     cfg = model_config(c)
     model = build_model(cfg, seq_length=c["seq"], batch_size=c["batch"], seed=0,
                         recompute_layers=list(range(c["layers"])) if c["recompute"] == "full" else None)
@@ -98,8 +99,25 @@ def measure(c: dict, steps: int) -> dict:
         cpu.append(time.process_time() - p)
     return {"rss_built_mb": rss_built, "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "step_s": statistics.median(wall[1:]), "step_cpu_s": statistics.median(cpu[1:]),
-            "compile_step_s": wall[0], "gemm_gflops": gemm / 1e9, "losses": losses,
+            "compile_step_s": wall[0], "gemm_gflops": gemm / 1e9, "gemm_gflop_per_cpu_s": gemm_cpu / 1e9,
+            "losses": losses,
             "params": sum(int(np.prod(p.shape)) for p in model.trainable_params())}
+
+
+def _gemm_per_cpu_second(n: int = 512, reps: int = 8) -> float:
+    """FLOP per process-CPU-second of a float32 n^3 matmul (all threads counted), best of `reps`."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import ops
+
+    a = ms.Tensor(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32))
+    ops.matmul(a, a).asnumpy()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        ops.matmul(a, a).asnumpy()
+        best = min(best, time.process_time() - t)
+    return 2.0 * n**3 / max(best, 1e-9)
 
 
 def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
@@ -130,7 +148,7 @@ def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
     return result
 
 
-def predict(c: dict, gemm_flops: float) -> dict:
+def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
     """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm."""
     from labkit.devices import GIB
     from labkit.plan import DEFAULT_EFFICIENCY, flops_per_token, memory_breakdown
@@ -143,7 +161,7 @@ def predict(c: dict, gemm_flops: float) -> dict:
     return {"pool_mb": (m["activations"] + m["gradients"]) * mb,
             "all_mb": (m["weights"] + m["gradients"] + m["optimizer"] + m["activations"]) * mb,
             "activations_mb": m["activations"] * mb, "flops": fl,
-            "step_s": fl / (gemm_flops * DEFAULT_EFFICIENCY)}
+            "step_s": fl / (gemm_flops * DEFAULT_EFFICIENCY), "step_cpu_s": fl / (gemm_cpu * DEFAULT_EFFICIENCY)}
 
 
 def compare(configs: dict, rows: dict) -> list[dict]:
@@ -162,27 +180,28 @@ def compare(configs: dict, rows: dict) -> list[dict]:
             "comparison": name,
             "pool_mb": pair(ra["pool_peak_mb"], rb["pool_peak_mb"], ra["pred"]["pool_mb"], rb["pred"]["pool_mb"]),
             "rss_mb": pair(ra["rss_peak_mb"], rb["rss_peak_mb"], ra["pred"]["all_mb"], rb["pred"]["all_mb"]),
-            "step_s": pair(ra["step_s"], rb["step_s"], ra["pred"]["step_s"], rb["pred"]["step_s"], 3),
+            "step_cpu_s": pair(ra["step_cpu_s"], rb["step_cpu_s"], ra["pred"]["step_cpu_s"], rb["pred"]["step_cpu_s"],
+                               3),
         })
     return out
 
 
 def table(result: dict) -> str:
     lines = [f"{'configuration':<22} {'b':>3} {'s':>4} {'L':>2} {'recompute':>9} {'pool MB':>8} {'pred':>7} "
-             f"{'RSS MB':>8} {'pred all':>8} {'step s':>7} {'pred':>6} {'eff':>5}"]
+             f"{'RSS MB':>8} {'pred all':>8} {'wall s':>7} {'cpu s':>6} {'pred':>6} {'eff':>5}"]
     for name, r in result["configs"].items():
         c, p = r["config"], r["pred"]
         lines.append(f"{name:<22} {c['batch']:>3} {c['seq']:>4} {c['layers']:>2} {c['recompute']:>9} "
                      f"{r['pool_peak_mb']:>8.0f} {p['pool_mb']:>7.1f} {r['rss_peak_mb']:>8.0f} {p['all_mb']:>8.1f} "
-                     f"{r['step_s']:>7.3f} {p['step_s']:>6.3f} {r['efficiency']:>5.2f}")
+                     f"{r['step_s']:>7.3f} {r['step_cpu_s']:>6.3f} {p['step_cpu_s']:>6.3f} {r['efficiency']:>5.2f}")
     lines += ["", f"{'difference':<26} {'pool meas':>9} {'pred':>7} {'err':>6}   {'RSS meas':>8} {'pred':>7} "
-              f"{'err':>6}   {'time meas':>9} {'pred':>7} {'err':>6}"]
+              f"{'err':>6}   {'cpu s meas':>10} {'pred':>7} {'err':>6}"]
     fmt = lambda e: f"{e:>+6.0%}" if e is not None else f"{'n/a':>6}"  # noqa: E731
     for d in result["differences"]:
-        p, r, t = d["pool_mb"], d["rss_mb"], d["step_s"]
+        p, r, t = d["pool_mb"], d["rss_mb"], d["step_cpu_s"]
         lines.append(f"{d['comparison']:<26} {p['measured']:>9.1f} {p['predicted']:>7.1f} {fmt(p['error'])}   "
                      f"{r['measured']:>8.1f} {r['predicted']:>7.1f} {fmt(r['error'])}   "
-                     f"{t['measured']:>9.3f} {t['predicted']:>7.3f} {fmt(t['error'])}")
+                     f"{t['measured']:>10.3f} {t['predicted']:>7.3f} {fmt(t['error'])}")
     s = result["summary"]
     lines += ["", f"memory-pool differences: max |error| {s['pool_max_abs_error']:.0%} "
                   f"(target {TARGET:.0%}: {'met' if s['pool_meets_target'] else 'MISSED'})",
@@ -244,16 +263,17 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
         print(f"[calibration] {name}: {c}", file=sys.stderr, flush=True)
         rows[name] = {**run_child(name, c, steps, workdir), "config": c}
     gemm = statistics.median(r["gemm_gflops"] for r in rows.values()) * 1e9  # one machine speed for all
+    gemm_cpu = statistics.median(r["gemm_gflop_per_cpu_s"] for r in rows.values()) * 1e9
     for r in rows.values():
-        r["pred"] = predict(r["config"], gemm)
-        r["efficiency"] = r["pred"]["flops"] / r["step_s"] / gemm
+        r["pred"] = predict(r["config"], gemm, gemm_cpu)
+        r["efficiency"] = r["pred"]["flops"] / r["step_cpu_s"] / gemm_cpu
     diffs = compare(configs, rows)
     pool_err = [abs(d["pool_mb"]["error"]) for d in diffs if d["pool_mb"]["error"] is not None]
     rss_err = [abs(d["rss_mb"]["error"]) for d in diffs if d["rss_mb"]["error"] is not None]
     result = {
         "ok": True, "mode": "ci" if ci else "full", "steps": steps, "target": TARGET,
         "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                    "gemm_gflops": round(gemm / 1e9, 1)},
+                    "gemm_gflops": round(gemm / 1e9, 1), "gemm_gflop_per_cpu_s": round(gemm_cpu / 1e9, 1)},
         "model": MODEL, "configs": rows, "differences": diffs,
         "summary": {"pool_max_abs_error": max(pool_err), "pool_meets_target": max(pool_err) <= TARGET,
                     "rss_max_abs_error": max(rss_err), "rss_meets_target": max(rss_err) <= TARGET,
@@ -264,9 +284,9 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
             "RSS also holds weights and optimizer states (outside the pool), graph compilation, and the CPU "
             "MatMul kernels' private packed copies of their operands, which no accelerator memory model counts: "
             "RSS differences run well above the model",
-            "time: predicted = hardware FLOPs / (median GEMM probe x the planner's default efficiency); the "
-            "model counts matmul FLOPs only, while a model this small on a CPU spends most of its time in "
-            "element-wise and softmax kernels, and a shared machine makes step times noisy (load in 'machine')",
+            "time: CPU seconds per step; predicted = hardware FLOPs / (median GEMM FLOP per CPU second x the "
+            "planner's default efficiency); the model counts matmul FLOPs only, while a model this small on a "
+            "CPU spends most of its time in element-wise, softmax and optimizer kernels",
         ],
     }
     shutil.rmtree(workdir, ignore_errors=True)

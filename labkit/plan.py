@@ -220,7 +220,7 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
     if not 0 < efficiency <= 1:
         raise LabkitError(f"efficiency {efficiency} must be in (0, 1]", "e.g. 0.5 for half of peak")
     overhead = dev.overhead_gib if overhead_gib is None else overhead_gib
-    fused_norm = dev.name not in ("cpu",) and not dev.name.startswith(("a100", "h100", "h200"))
+    fused_norm = dev.name.startswith("atlas")  # mindformers' fused RMSNorm kernel is Ascend-only (labkit.model)
     constraints = _check_constraints(constraints)
 
     strategies, skipped = [], {}
@@ -310,7 +310,7 @@ def _divisors(n: int) -> list[int]:
 
 def _invalid_split(cfg: ModelConfig, global_batch: int, dp: int, mp: int, pp: int) -> str | None:
     if global_batch % dp:
-        return f"global batch not divisible by dp"
+        return "global batch not divisible by dp"
     if cfg.num_heads % mp or cfg.kv_heads % mp:
         return "heads not divisible by mp"
     if cfg.ffn_size % mp or cfg.vocab_size % mp:
@@ -444,6 +444,7 @@ def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: in
         ax.bar(x, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(result["device_memory_gib"], color="k", ls="--", lw=1, label="device memory")
+    ax.set_ylim(0, max(max(bottom, default=0), result["device_memory_gib"]) * 1.3)  # room for the legend
     ax.set_xticks(list(x))
     ax.set_xticklabels([f"{r['dp']}/{r['mp']}/{r['pp']}\n{r['recompute'][:4]}{' Z' if r['optimizer_shard'] else ''}"
                         f"\nmb{r['micro_batch']}" for r in rows], fontsize=7)
@@ -490,7 +491,8 @@ def add_cli(parser) -> None:
                         "config's data.seq_len)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
-    parser.add_argument("--precision", default="fp16", choices=list(PRECISIONS))
+    parser.add_argument("--precision", default=None, choices=list(PRECISIONS),
+                        help="weights/compute precision (default fp16; fp32 with --device cpu)")
     parser.add_argument("--nodes", type=int, default=None, help="servers (default: from the preset's devices per node)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the preset's peak (TFLOP/s)")
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
@@ -509,17 +511,17 @@ def _cli(args) -> int:
     else:
         cfg, extra = model_from_config_file(args.config)
     seq = args.seq_len or extra.get("seq_len") or 4096
-    device = "cpu" if args.device == "cpu" else args.device
-    result = plan(cfg, args.devices, args.device_memory, device=device, seq_len=seq,
-                  global_batch=args.global_batch, precision=args.precision, nodes=args.nodes,
+    precision = args.precision or ("fp32" if args.device == "cpu" else "fp16")
+    result = plan(cfg, args.devices, args.device_memory, device=args.device, seq_len=seq,
+                  global_batch=args.global_batch, precision=precision, nodes=args.nodes,
                   peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                  flash_attention=not args.no_flash_attention and device != "cpu")
+                  flash_attention=not args.no_flash_attention and args.device != "cpu")
     best = result["best"]
     if best:
         result["mindformers_yaml"] = mindformers_parallel_yaml(best)
         result["msrun"] = msrun_command(best, result["nodes"])
     text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
-            f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {args.precision}, efficiency "
+            f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {precision}, efficiency "
             f"{args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
             f"bytes per parameter: {result['assumptions']['bytes_per_param']}",
             "", format_table(result, args.top), ""]
