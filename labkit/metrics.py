@@ -3,7 +3,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
+
+# MindSpore prints its memory-pool statistics at exit with MS_DEV_RUNTIME_CONF=memory_statistics:True.
+# On CPU the pool holds a step's live tensors (activations, gradients); process RSS also carries graph compilation
+# and allocator caches, and max_memory_allocated() returns 0.
+POOL_STATS_ENV = {"MS_DEV_RUNTIME_CONF": "memory_statistics:True"}
+_POOL_RE = re.compile(r"dynamic memory pool.*?actual peak used mem:(\d+)M")
+
+
+def pool_peak_mb(log_text: str) -> float | None:
+    """The last memory-pool peak MindSpore printed (MB), or None."""
+    found = _POOL_RE.findall(log_text)
+    return float(found[-1]) if found else None
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -525,3 +525,25 @@ def _cli(args) -> int:
                 f"metrics: {cfg.output_dir}/metrics.jsonl\ncheckpoint: {summary['checkpoint']}")
         emit(args, summary, text)
     return 0
+
+
+def train_in_subprocess(config: str = "configs/tiny_cpu.yaml", sets: list[str] | tuple = (),
+                        timeout: float = 1800) -> dict:
+    """Run `labkit train --json` in a fresh process and return its summary plus `pool_peak_mb`, MindSpore's
+    memory-pool peak (a step's live tensors). Memory comparisons need one process per configuration."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
+    for s in sets:
+        cmd += ["--set", s]
+    from .metrics import POOL_STATS_ENV, pool_peak_mb
+
+    env = {**os.environ, "GLOG_v": "3", **POOL_STATS_ENV}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"ok": False, "error": p.stderr[-2000:]}
+    result["pool_peak_mb"] = pool_peak_mb(p.stdout + p.stderr)
+    if p.returncode or not result.get("ok", False):
+        raise LabkitFailure(f"labkit train {' '.join(sets)} failed: {result.get('error')}",
+                            "run the same command in a terminal to see the whole log")
+    return result
