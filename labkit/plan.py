@@ -247,9 +247,10 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
                                   peak_tflops=peak, efficiency=efficiency, nodes=nodes,
                                   sequence_parallel=sequence_parallel and mp > 1, **cand)
                     fits = mem["total"] <= device_memory_gib
-                    row = {**cand, "memory_gib": _rounded({k: v for k, v in mem.items() if k not in ("stage", "params")}),
-                           "stage": mem["stage"], "params_per_device": int(mem["params"]),
-                           "step_time_s": round(t["step_time_s"], 4), "time_s": _rounded(t["time_s"], 4),
+                    parts = {k: v for k, v in mem.items() if k not in ("stage", "params")}
+                    row = {**cand, "memory_gib": _rounded(parts), "stage": mem["stage"],
+                           "params_per_device": int(mem["params"]), "step_time_s": round(t["step_time_s"], 4),
+                           "time_s": _rounded(t["time_s"], 4),
                            "tokens_per_s": round(t["tokens_per_s"], 1),
                            "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
                            "mfu": round(t["mfu"], 4), "fits": fits}
