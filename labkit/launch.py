@@ -694,12 +694,15 @@ def grad_shapes(model_cfg) -> list[tuple[int, ...]]:
 
 
 def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_000_000, 4_000_000),
-                      repeats: int = 10, output=None, timeout: float = 300) -> dict:
+                      repeats: int = 10, output=None, timeout: float = 300,
+                      env_vars=("NCCL_ALGO", "NCCL_IB_DISABLE", "HCCL_CONNECT_TIMEOUT")) -> dict:
     """Time MindSpore's gradient all-reduce between `workers` processes on this machine (msrun, mccl on CPU).
 
     Measures `nn.DistributedGradReducer(mean=True)` (what training uses) on zero tensors shaped like `model`'s
     gradients, and a single float32 buffer of each size in `sizes` (elements), the median of `repeats` timed
-    calls each, after a warm-up and with ranks aligned before each call."""
+    calls each, after a warm-up and with ranks aligned before each call. Also reports the communication backend
+    and which of the libraries the worker has loaded mention each of `env_vars` (a library that reads a variable
+    holds its name)."""
     from .config import ModelConfig, model_preset
     from .paths import RUNS
 
@@ -713,7 +716,8 @@ def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_0
     result_file = out / "result.json"
     result_file.unlink(missing_ok=True)
     spec.write_text(json.dumps({"model": [list(s) for s in grad_shapes(mcfg)], "sizes": list(sizes),
-                                "repeats": repeats, "result": str(result_file.resolve())}), encoding="utf-8")
+                                "repeats": repeats, "result": str(result_file.resolve()),
+                                "env_vars": list(env_vars)}), encoding="utf-8")
     msrun = Path(sys.executable).parent / "msrun"
     head = [str(msrun)] if msrun.exists() else [sys.executable, "-m", "mindspore.parallel.cluster.run"]
     cmd = head + [f"--worker_num={workers}", f"--local_worker_num={workers}", f"--master_port={free_port()}",
@@ -738,6 +742,30 @@ def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_0
     if not result_file.exists():
         raise LabkitFailure("the all-reduce probe did not finish", f"see {logs}:\n{log_tail(logs / 'worker_0.log')}")
     return json.loads(result_file.read_text(encoding="utf-8"))
+
+
+def _loaded_libraries() -> list[Path]:
+    """Shared libraries mapped into this process (Linux /proc/self/maps)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({Path(line.split()[-1]) for line in maps if ".so" in line.rsplit("/", 1)[-1]})
+
+
+def _libraries_mentioning(libs: list[Path], name: str) -> list[str]:
+    """Which of `libs` contain the string `name` (e.g. an environment variable they read)."""
+    import mmap
+
+    hits = []
+    for lib in libs:
+        try:
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(name.encode()) != -1:
+                    hits.append(lib.name)
+        except (OSError, ValueError):
+            pass
+    return hits
 
 
 def _probe(spec_file: str) -> None:
@@ -796,9 +824,15 @@ def _probe(spec_file: str) -> None:
     model = timed([tuple(s) for s in spec["model"]])
     sweep = [timed([(int(n),)]) for n in spec["sizes"]]
     if rank == 0:
+        from mindspore.communication import GlobalComm
+
         from .paths import atomic_write_text
 
-        atomic_write_text(spec["result"], json.dumps({"workers": size, "model_grads": model, "sizes": sweep}))
+        libs = _loaded_libraries()
+        atomic_write_text(spec["result"], json.dumps({
+            "workers": size, "backend": str(GlobalComm.BACKEND), "model_grads": model, "sizes": sweep,
+            "loaded_libraries": [p.name for p in libs],
+            "env_readers": {v: _libraries_mentioning(libs, v) for v in spec.get("env_vars", [])}}))
     align(one).asnumpy()
 
 
