@@ -1,7 +1,8 @@
 """`labkit run`: execute the course notebooks in order with papermill into one run folder.
 
-Each notebook runs with kernel `python3` in `notebooks/` (as in JupyterLab), takes the parameters it declares from
-`--params FILE.yaml`, and may record key figures with `labkit.nb.record`; the run ends with `summary.md` and
+Each notebook runs with kernel `python3` in `notebooks/` (as in JupyterLab; `LABKIT_CALLER_CWD` tells it where
+`labkit run` was called, so user paths such as `output_dir` stay relative to that), takes the parameters it declares
+from `--params FILE.yaml`, and may record key figures with `labkit.nb.record`; the run ends with `summary.md` and
 `summary.json` linking every executed notebook. A failing notebook is reported by file and cell.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .errors import LabkitError
 from .paths import NOTEBOOKS, RUNS, atomic_write_text, lab_path
 
 FIGURES_ENV = "LABKIT_FIGURES_FILE"
+CALLER_ENV = "LABKIT_CALLER_CWD"  # where `labkit run` was called: notebooks resolve user paths (output_dir) from it
 
 
 @dataclass
@@ -82,6 +84,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
     books = course_notebooks(only)
     if not books:
         raise LabkitError(f"no notebooks found in {NOTEBOOKS}")
+    caller = os.getcwd()
     out_dir = Path(output) if output else RUNS / time.strftime("run-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     unused = set(params)
@@ -98,6 +101,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
         figures_file = out_dir / f"{nb.stem}.figures.json"
         figures_file.unlink(missing_ok=True)
         os.environ[FIGURES_ENV] = str(figures_file.resolve())
+        os.environ[CALLER_ENV] = caller
         log(f"▶ {nb.name}" + (f"  parameters: {mine}" if mine else ""))
         start = time.time()
         res = NotebookResult(nb.name, str(target), "ok", parameters=mine)
@@ -110,6 +114,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
             log(f"✗ {res.error}")
         finally:
             os.environ.pop(FIGURES_ENV, None)
+            os.environ.pop(CALLER_ENV, None)
         res.seconds = round(time.time() - start, 1)
         if figures_file.exists():
             res.figures = json.loads(figures_file.read_text(encoding="utf-8"))
