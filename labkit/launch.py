@@ -24,6 +24,7 @@ the launcher records every process of the job (pid + start time) and ends each o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -201,6 +202,12 @@ def plan(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, outp
                           "use the matching tokenizer or resize the embeddings")
     data._check_layout(stats["n_samples"], cfg.train.micro_batch, dp, 0, cfg.train.accum)
     cfg.data.dataset = str(Path(dataset).resolve())
+    if cfg.train.init_checkpoint:
+        init = Path(cfg.train.init_checkpoint).expanduser()
+        if not init.exists():
+            raise LabkitError(f"train.init_checkpoint {init} not found",
+                              "give a `labkit convert hf2ms` output folder, a checkpoint folder or a .ckpt file")
+        cfg.train.init_checkpoint = str(init.resolve())
 
     out = Path(cfg.output_dir).expanduser().resolve()
     cfg.output_dir = str(out)
@@ -430,8 +437,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     `timeout` (seconds) ends the job as failed when it runs longer. Every process is ended before returning,
     also on KeyboardInterrupt (which is then re-raised)."""
     from .config import dump_run_config
-    from .model import quiet_mindformers
-    from .paths import atomic_write_text
+    from .paths import RUNS, atomic_write_text
 
     log = log or (lambda m: print(m, file=sys.stderr))
     pl = plan(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
@@ -449,9 +455,8 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     config_file = atomic_write_text(out / "launch.yaml", dump_run_config(pl.cfg))
     cmd = command(pl, config_file, logs)
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}
-    quiet_mindformers()
-    for key in ("GLOG_v", "LOG_MF_PATH"):
-        env.setdefault(key, os.environ[key])
+    env.setdefault("GLOG_v", "3")  # quiet MindSpore; mindformers' file logs go under runs/, not ./output
+    env.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
     env.setdefault("TQDM_MININTERVAL", "5")
     env = _python_on_path(env, logs / ".bin")
     first_rank = pl.node_rank * pl.workers
@@ -506,8 +511,10 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
                 first_death = killed or (min(ended_at.values()) if ended_at else None)
                 if bad:
                     failure = bad[0]
-                elif root.poll() is not None and len(ended_at) < pl.workers:
-                    failure = (None, root.returncode or 1)  # msrun itself gave up (bad arguments, cluster timeout)
+                elif root.poll() is not None:  # msrun ended: 0 = it saw every worker exit 0
+                    if root.returncode == 0:
+                        break
+                    failure = (None, root.returncode)  # msrun itself gave up (bad arguments, cluster timeout)
                 elif len(ended_at) == pl.workers and all(now - t > EXIT_REPORT_S for t in ended_at.values()):
                     break  # every worker exited 0; msrun may still wait for its scheduler
                 elif ended_at and now - min(ended_at.values()) > FINISH_GRACE_S:
@@ -549,11 +556,15 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
         rank = result.failed_rank
         if result.reason is None:
             code = result.returncode
-            how = (f"was killed by signal {signal.Signals(-code).name} (exit {code})" if code < 0
-                   else f"exited with code {code}")
+            how = f"exited with code {code}"
+            if code < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"was killed by signal {signal.Signals(-code).name} (exit {code})"
             who = f"rank {rank} (pid {job.ranks[rank].pid})" if rank is not None else "msrun"
             result.reason = f"{who} {how} after {result.steps_done} of {pl.cfg.train.steps} steps"
-        result.log_tail = log_tail(logs / f"worker_{rank}.log" if rank is not None else logs / "msrun.log")
+        own = logs / f"worker_{rank if rank is not None else first_rank}.log"
+        result.log_tail = log_tail(own if rank is not None or result.reason.startswith(("timed", "ranks"))
+                                   else logs / "msrun.log")
         if result.returncode == 0:
             result.returncode = 1
     elif pl.node_rank == 0 and not (result.summary or {}).get("ok"):
@@ -774,9 +785,7 @@ def _probe(spec_file: str) -> None:
 
     import numpy as np
 
-    from .model import quiet_mindformers
-
-    quiet_mindformers()
+    os.environ.setdefault("GLOG_v", "3")
     import mindspore as ms
     from mindspore import nn, ops
     from mindspore.communication import get_group_size, get_rank, init

@@ -139,3 +139,10 @@ def test_launcher_death_ends_every_process(tmp_path):
         while _alive(pids) and time.time() < deadline:
             time.sleep(0.5)
         assert not _alive(pids)
+
+
+def test_timeout_ends_a_single_worker_run(tmp_path):
+    res = launch.launch("configs/tiny_cpu.yaml", workers=1, output=tmp_path / "slow", steps=50, timeout=3,
+                        progress=False)
+    assert not res.ok and res.reason.startswith("timed out after 3 s"), res.report()
+    assert res.returncode != 0 and not _alive(res.pids)

@@ -71,6 +71,7 @@ def test_missing_dataset_fails_before_any_worker_starts(tmp_path, no_start):
     (dict(config="configs/dp2_cpu.yaml", nodes=2, node_rank=2, master_addr="h", master_port=29500), "outside 0..1"),
     (dict(config="configs/dp2_cpu.yaml", master_port=80), "outside 1024..65535"),
     (dict(config="configs/dp2_cpu.yaml", overrides=["trian.steps=3"]), "unknown key 'trian'"),
+    (dict(config="configs/dp2_cpu.yaml", overrides=["train.init_checkpoint=no/such.ckpt"]), "no/such.ckpt not found"),
 ])
 def test_bad_launches_are_refused_before_start(tmp_path, no_start, kwargs, what):
     refused(tmp_path, what, **kwargs)
