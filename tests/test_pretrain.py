@@ -1,0 +1,259 @@
+"""Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from labkit import pretrain
+from labkit.config import load_run_config, model_preset
+from labkit.errors import LabkitError
+from labkit.paths import NOTEBOOKS
+
+NB07 = NOTEBOOKS / "07_pretrain.ipynb"
+
+
+def error_of(**params) -> LabkitError:
+    with pytest.raises(LabkitError) as e:
+        pretrain.resolve(params)
+    return e.value
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def test_7b_preset_is_a_plan_for_8_cards_of_64_gib():
+    run = pretrain.resolve({"preset": "llama2_7b"})
+    p, t = run.cfg.parallel, run.cfg.train
+    assert (run.devices, run.device_memory_gib, p.device_target) == (8, 64.0, "Ascend")
+    assert (p.dp, p.mp, p.pp, t.micro_batch, t.accum, t.global_batch) == (8, 1, 1, 1, 8, 64)  # mindformers' recipe
+    assert p.parallel_mode == "semi_auto_parallel" and p.optimizer_shard
+    assert run.strategy["fits"] and 60 < run.strategy["memory_gib"]["total"] <= 64
+    assert not run.can_train and "Ascend" in run.why_not  # this machine has no NPU: plan only, no error
+    assert run.model.num_params == 6_738_415_616
+
+
+def test_pinned_layout_must_multiply_to_devices():
+    e = error_of(devices=2, dp=3)
+    assert "dp x mp x pp must equal devices (2)" in e.what and "dp 3 does not divide 2" in e.what
+    assert "leave dp/mp/pp None" in e.fix
+    e = error_of(preset="llama2_7b", dp=2, mp=2, pp=1)
+    assert "= 4 != 8" in e.what
+
+
+def test_batch_arithmetic_names_the_numbers():
+    e = error_of(preset="llama2_7b", dp=8, micro_batch=3)
+    assert "micro_batch 3 does not divide global_batch / dp = 64 / 8 = 8" in e.what
+    e = error_of(preset="llama2_7b", dp=8, micro_batch=1, accum=4, global_batch=64)
+    assert "micro_batch 1 x dp 8 x accum 4 = 32, not global_batch 64" in e.what
+
+
+def test_accum_and_micro_batch_follow_the_global_batch():
+    run = pretrain.resolve({"preset": "llama2_7b", "devices": 4, "device_memory_gib": 80})
+    t = run.cfg.train
+    assert t.micro_batch * run.cfg.parallel.dp * t.accum == 64
+    run = pretrain.resolve({"preset": "llama2_7b_seed", "global_batch": 256})
+    assert run.cfg.train.accum == 32 and run.sources["accum"][1].startswith("global_batch")
+
+
+def test_memory_that_does_not_fit_stops_with_the_planners_alternative():
+    # the seeds' recipe as written on 8 x 64 GiB: plain data parallel, micro-batch 4, 16 layers recomputed
+    e = error_of(preset="llama2_7b_seed", dp=8, micro_batch=4, optimizer_shard=False)
+    assert "no layout fits in 64 GiB" in e.what and "model states 100.4" in e.what
+    assert "-p optimizer_shard True" in e.fix and "-p dp 8" in e.fix
+
+
+def test_cpu_refuses_what_mindspore_refuses():
+    assert "refused on CPU" in error_of(preset="llama2_7b", device_target="CPU").what  # optimizer_shard
+    assert "semi_auto_parallel" in error_of(devices=2, mp=2).what
+
+
+def test_parameter_types_and_names_are_checked():
+    assert "steps must be an integer" in error_of(steps="many").what
+    e = error_of(preset="llama2_70b")
+    assert "preset" in e.what and "llama2_7b" in e.fix
+    assert "seq_len = 4096 exceeds" in error_of(seq_len=4096).what
+    e = error_of(preset="llama2_7b", recompute="last:x")
+    assert "recompute" in e.what
+
+
+def test_other_nodes_need_the_master_when_training():
+    e = error_of(devices=2, nodes=2)
+    assert "master_addr and master_port" in e.what
+    run = pretrain.resolve({"preset": "llama2_7b", "devices": 16})  # plan only: placeholders in the commands
+    assert run.nodes == 2 and run.workers == 8
+    cmds = pretrain.commands(run)["labkit_launch"]
+    assert len(cmds) == 2 and "--node-rank 1" in cmds[1] and "NODE0_HOST" in cmds[0]
+
+
+@pytest.mark.slow
+def test_cpu_runs_resolve_with_measured_peak_and_check_the_output_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = pretrain.resolve({"devices": 2, "output_dir": "out"})
+    assert run.can_train and run.cfg.parallel.parallel_mode == "data_parallel"
+    assert (run.cfg.train.micro_batch, run.cfg.train.accum, run.cfg.train.global_batch) == (4, 1, 8)
+    assert run.output_dir == tmp_path / "out"  # relative to where the user runs
+    assert run.device_memory_gib < pretrain._host_ram_gib()  # the host's RAM is shared by the workers
+    e = error_of(output_dir="out", resume=True)
+    assert "no complete checkpoint" in e.what
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
+    e = error_of(output_dir="out")
+    assert "already holds a run" in e.what and "-p resume True" in e.fix
+    assert pretrain.resolve({"output_dir": "out", "overwrite": True}).overwrite
+    monkeypatch.setenv("LABKIT_CALLER_CWD", str(tmp_path / "elsewhere"))  # `labkit run` says where it was called
+    assert pretrain.resolve({"output_dir": "x"}).output_dir == tmp_path / "elsewhere" / "x"
+    assert "not found" in error_of(dataset="no/such/dir").what
+
+
+# ------------------------------------------------------------------------------------------ estimates
+
+
+def test_partial_recompute_lies_between_none_and_all():
+    rows = {rc: pretrain.recipe_row(rc, "configs/llama2_7b_seed.yaml", {"train.recompute": rc})
+            for rc in ("none", "last:16", "all")}
+    acts = [rows[k]["activations GiB"] for k in ("none", "last:16", "all")]
+    assert acts[0] > acts[1] > acts[2]
+    assert abs(acts[1] - (acts[0] + acts[2]) / 2) < 0.2  # half the layers recomputed
+    assert rows["none"]["step s"] < rows["last:16"]["step s"] < rows["all"]["step s"]
+
+
+def test_stage_recompute_counts_for_mindformers():
+    assert pretrain.stage_recompute_counts("last:16", 32, 1) == [16]
+    assert pretrain.stage_recompute_counts("last:16", 32, 2) == [0, 16]
+    assert pretrain.stage_recompute_counts("all", 32, 4) == [8, 8, 8, 8]
+
+
+def test_expected_shapes_count_the_parameters():
+    for name in ("tiny", "llama2_7b", "llama_100m"):
+        cfg = model_preset(name)
+        shapes = pretrain.expected_shapes(cfg)
+        assert sum(int(__import__("math").prod(s)) for s in shapes.values()) == cfg.num_params
+    shapes = pretrain.expected_shapes(model_preset("llama2_7b"))
+    assert shapes["model.layers.0.feed_forward.w2.weight"] == (4096, 11008)
+    assert shapes["model.tok_embeddings.embedding_weight"] == (32000, 4096)
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def test_written_configs_agree(tmp_path):
+    run = pretrain.resolve({"preset": "llama2_7b_seed", "output_dir": str(tmp_path / "seed")})
+    files = pretrain.write_configs(run)
+    assert set(files) == {"run.yaml", "mindformers.yaml", "plan.json", "launch.sh"}
+    assert load_run_config(files["run.yaml"]) == run.cfg
+    mf = yaml.safe_load(files["mindformers.yaml"].read_text())
+    assert mf["parallel_config"]["data_parallel"] == 8 and mf["parallel"]["enable_parallel_optimizer"] is True
+    assert mf["parallel"]["parallel_mode"] == 1  # semi-auto
+    assert mf["runner_config"]["batch_size"] == 1 and mf["runner_config"]["gradient_accumulation_steps"] == 64
+    assert mf["recompute_config"]["recompute"] == [16]
+    assert mf["optimizer"] == {"type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    assert mf["lr_schedule"]["learning_rate"] == 3e-4 and mf["lr_schedule"]["lr_end"] == 3e-5
+    assert mf["lr_schedule"]["warmup_steps"] == 2000
+    assert mf["train_dataset_task"]["dataset_config"] == mf["train_dataset"]
+    assert mf["train_dataset"]["num_parallel_workers"] == 16 and mf["train_dataset"]["prefetch_size"] == 64
+    mc = mf["model"]["model_config"]
+    assert (mc["seq_length"], mc["compute_dtype"], mc["use_flash_attention"]) == (4096, "float16", True)
+    assert mf["context"]["max_device_memory"] == "58GB"  # 64 GiB less the preset's 6 GiB, as mindformers does
+    plan = json.loads(files["plan.json"].read_text())
+    assert plan["strategy"]["fits"] and plan["can_train_here"] is False
+    launch = files["launch.sh"].read_text()
+    assert "labkit launch --workers 8" in launch and "msrun_launcher.sh" in launch and "-p preset llama2_7b_seed" \
+        in launch
+
+
+# ------------------------------------------------------------------------------------------ display pieces
+
+
+def test_figure_and_status_line():
+    rows = [{"step": i, "loss": 8 - i / 10, "tokens_per_s": 3000.0, "mfu": 0.5, "peak_mem_mb": 2000.0, "lr": 1e-3}
+            for i in range(1, 6)]
+    assert pretrain.figure_png(rows)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pretrain.figure_png([])[:4] == b"\x89PNG"
+    assert "step 5/10" in pretrain.status_line(rows, 10) and "waiting" in pretrain.status_line([], 10)
+
+
+def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
+    from labkit import widgets
+
+    monkeypatch.delenv("CI", raising=False)
+    ns = {"preset": "llama2_7b", "dp": None}
+    form = widgets.ParameterForm(ns)
+    assert "fits" in form.verdict.value and "62.0 of 64 GiB" in form.verdict.value
+    form.inputs["dp"].value = "3"  # invalid: shown at once, nothing applied
+    assert "dp x mp x pp must equal devices" in form.verdict.value
+    assert form.apply() is None and ns["dp"] is None and "run" not in ns
+    form.inputs["dp"].value = "None"
+    form.inputs["optimizer_shard"].value = False
+    assert "fits" in form.verdict.value
+    run = form.apply()
+    assert ns["optimizer_shard"] is False and ns["run"] is run and not run.cfg.parallel.optimizer_shard
+    assert "applied" in form.status.value
+
+
+def test_widget_form_is_off_unless_asked_and_headless(monkeypatch, capsys):
+    from labkit import widgets
+
+    assert widgets.parameter_form({}, enabled=False) is None
+    monkeypatch.setenv("LABKIT_HEADLESS", "1")
+    assert widgets.parameter_form({}, enabled=True) is None
+    assert "widget form off" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ the notebook
+
+
+def execute(tmp_path, **params):
+    import papermill
+
+    out = tmp_path / "07_pretrain.ipynb"
+    papermill.execute_notebook(str(NB07), str(out), parameters=params, kernel_name="python3", cwd=str(NOTEBOOKS),
+                               progress_bar=False, log_output=False)
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def outputs(nb) -> str:
+    text = []
+    for c in nb["cells"]:
+        for o in c.get("outputs", []):
+            text.append("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", "")))
+    return "\n".join(text)
+
+
+@pytest.mark.slow
+def test_notebook_with_two_data_parallel_workers(tmp_path):
+    nb = execute(tmp_path, devices=2, steps=4, save_every=2, output_dir=str(tmp_path / "dp2"))
+    rows = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    launched = load_run_config(tmp_path / "dp2" / "launch.yaml")
+    assert launched.parallel.parallel_mode == "data_parallel" and launched.train.micro_batch == 4
+    assert (tmp_path / "dp2" / "logs" / "worker_1.log").exists()  # two ranks ran
+    assert (tmp_path / "dp2" / "checkpoints" / "step_000004" / "state.json").exists()
+    assert "✓ loss fell" in outputs(nb)
+
+
+@pytest.mark.slow
+def test_notebook_plans_7b_without_devices(tmp_path):
+    nb = execute(tmp_path, preset="llama2_7b", output_dir=str(tmp_path / "7b"))
+    text = outputs(nb)
+    assert "NOT TRAINED on this machine" in text and "plan only" in text
+    assert "✓ Llama-2-7B has 6,738,415,616 parameters" in text
+    assert "✓ all 291 tensors have the shapes the config implies" in text
+    files = {p.name for p in (tmp_path / "7b").iterdir()}
+    assert {"run.yaml", "mindformers.yaml", "plan.json", "launch.sh"} <= files and "metrics.jsonl" not in files
+
+
+@pytest.mark.slow
+def test_notebook_stops_in_the_validation_cell(tmp_path):
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError) as e:
+        execute(tmp_path, devices=2, dp=3)
+    assert e.value.ename == "LabkitError" and "dp x mp x pp must equal devices (2)" in e.value.evalue
+    nb = json.loads((tmp_path / "07_pretrain.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    failed = [i for i, c in enumerate(code) if any(o["output_type"] == "error" for o in c["outputs"])]
+    assert len(failed) == 1
+    assert "pretrain.resolve(globals())" in "".join(code[failed[0]]["source"])  # the first cell after parameters
+    assert "injected-parameters" in code[failed[0] - 1]["metadata"]["tags"]
+    assert all(c["execution_count"] is None for c in code[failed[0] + 1:])  # nothing after it ran
