@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/labkit run $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval-lax --nbval-current-env $(ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
