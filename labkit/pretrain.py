@@ -73,7 +73,8 @@ PARAMETERS = (
     Param("lr", "Optional[float]", None, "train.lr", "peak learning rate; None: the config's"),
     Param("warmup_steps", "Optional[int]", None, "train.warmup_steps", "linear warmup steps; None: the config's"),
     Param("min_lr", "Optional[float]", None, "train.min_lr", "end of the cosine decay; None: the config's"),
-    Param("steps", "Optional[int]", None, "train.steps", "optimizer steps to train to; None: the config's"),
+    Param("steps", "Optional[int]", None, "train.steps", "optimizer steps to train to; None: the preset's (tiny: "
+          "30, a smoke run)"),
     Param("save_every", "Optional[int]", None, "train.save_every", "checkpoint every N steps (0: only at the end); "
           "None: the config's"),
     Param("dataset", "Optional[str]", None, "data.dataset", "MindRecord folder (`labkit data build`); None: the "
@@ -90,9 +91,9 @@ PARAMETERS = (
 PARAMS = {p.name: p for p in PARAMETERS}
 DEFAULTS = {p.name: p.default for p in PARAMETERS}
 
-# preset -> the run config it starts from, the devices it brings and the planner's device preset
+# preset -> the run config it starts from, what it changes there, the devices it brings, the planner's device
 PRESETS = {
-    "tiny": dict(config="configs/tiny_cpu.yaml", devices=1),
+    "tiny": dict(config="configs/tiny_cpu.yaml", devices=1, overrides={"train.steps": 30, "train.save_every": 10}),
     "llama2_7b": dict(config="configs/llama2_7b_mindformers.yaml", devices=8, device="atlas_800t_a2"),
     "llama2_7b_seed": dict(config="configs/llama2_7b_seed.yaml", devices=8, device="atlas_800t_a2"),
 }
@@ -285,7 +286,8 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     if preset not in PRESETS:
         raise LabkitError(f"parameter preset = {preset!r} is not known", f"use one of {', '.join(PRESETS)}")
     pre = PRESETS[preset]
-    base = load_run_config(given["config"] or pre["config"])
+    base = load_run_config(given["config"] or pre["config"],
+                           [] if given["config"] else [f"{k}={v}" for k, v in pre.get("overrides", {}).items()])
     data = to_dict(base)
     for p in PARAMETERS:  # plain settings: the parameter wins, None keeps the config's value
         if p.field and given[p.name] is not None and p.name not in ("dp", "mp", "pp", "micro_batch", "accum",
