@@ -10,10 +10,12 @@ What `launch()` does, in order:
    folder (resume needs a checkpoint; an old run is not silently mixed in), the master port (a given port that is
    busy is an error; none given = a free one).
 2. Writes the resolved config to <output>/launch.yaml and starts
-   `msrun --worker_num=M*N --local_worker_num=N ... python -m labkit train --config <output>/launch.yaml`
+   `msrun --worker_num=M*N --local_worker_num=N ... python -m labkit.launch train --config <output>/launch.yaml`
    with the caller's interpreter first on PATH (msrun starts workers with the `python` it finds there).
-   Per-rank logs: <output>/logs/worker_<rank>.log, msrun's own log: <output>/logs/msrun.log. One worker runs
-   `labkit train` directly (no msrun, no scheduler).
+   msrun runs that command for its scheduler process too: `python -m labkit.launch train` is exactly
+   `labkit train` in a worker and only `mindspore.communication.init()` in the scheduler (which would otherwise
+   import mindformers for nothing, ~6 s of CPU per launch). Per-rank logs: <output>/logs/worker_<rank>.log,
+   msrun's own log: <output>/logs/msrun.log. One worker runs `labkit train` directly (no msrun, no scheduler).
 3. Shows progress from rank 0's <output>/metrics.jsonl and watches the worker processes itself: when one exits
    non-zero, every process of the job is ended at once (the survivors would otherwise wait in a collective until a
    timeout), and the report names the rank and shows the tail of its log. The same happens on KeyboardInterrupt
@@ -90,6 +92,7 @@ class LaunchResult:
     master_port: int | None = None
     command: list = field(default_factory=list)
     pids: list = field(default_factory=list)  # every process of the job (msrun, scheduler, workers), for audits
+    survivors: list = field(default_factory=list)  # processes of the job still alive after the launcher ended it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,7 +105,9 @@ class LaunchResult:
                 line += (f": loss {s['first_loss']:.4f} → {s['final_loss']:.4f}, "
                          f"{s['tokens_per_s']:.0f} tokens/s (global batch {s['global_batch']})")
             return f"{line}\nmetrics: {self.metrics}\ncheckpoint: {self.checkpoint}\nlogs: {self.logs}"
-        text = [f"FAILED: {self.reason}", f"every process of the job was ended; logs: {self.logs}"]
+        ended = (f"every process of the job was ended" if not self.survivors
+                 else f"processes {self.survivors} could not be ended")
+        text = [f"FAILED: {self.reason}", f"{ended}; logs: {self.logs}"]
         if self.log_tail:
             where = f"rank {self.failed_rank}" if self.failed_rank is not None else "msrun"
             text += [f"--- last lines of {where}'s log ---", self.log_tail, "---"]
@@ -266,11 +271,10 @@ def _python_on_path(env: dict, shim_dir: Path) -> dict:
 
 def command(pl: LaunchPlan, config_file: Path, logs: Path) -> list[str]:
     """The command line the launcher runs (msrun for more than one worker in all)."""
-    task = ["python", "-m", "labkit", "train", "--config", str(config_file), "--json"]
-    if pl.resume:
-        task.append("--resume")
+    args = ["train", "--config", str(config_file), "--json"] + (["--resume"] if pl.resume else [])
     if pl.total == 1:
-        return task
+        return ["python", "-m", "labkit"] + args
+    task = ["python", "-m", "labkit.launch"] + args
     msrun = Path(sys.executable).parent / "msrun"
     head = [str(msrun)] if msrun.exists() else [sys.executable, "-m", "mindspore.parallel.cluster.run"]
     head += [f"--worker_num={pl.total}", f"--local_worker_num={pl.workers}", f"--master_addr={pl.master_addr}",
@@ -543,6 +547,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
             guard.kill()
             guard.wait()
         result.pids = sorted(job.procs)
+        result.survivors = sorted(p.pid for p in job.alive())
     from . import checkpoint
 
     result.seconds = time.perf_counter() - started
@@ -888,10 +893,25 @@ def _cli(args) -> int:
     return 0 if res.ok else 1
 
 
+def _task(argv: list[str]) -> int:
+    """`python -m labkit.launch train ...` under msrun: `labkit train ...`, or just the scheduler's init()."""
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        os.environ.setdefault("GLOG_v", "3")
+        from mindspore.communication import init
+
+        init()  # the scheduler serves the workers until they finish
+        return 0
+    from .cli import main
+
+    return main(["train", *argv])
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["guard"]:
+    if sys.argv[1:2] == ["train"]:
+        sys.exit(_task(sys.argv[2:]))
+    elif sys.argv[1:2] == ["guard"]:
         _guard(int(sys.argv[2]), int(sys.argv[3]))
     elif sys.argv[1:2] == ["probe"]:
         _probe(sys.argv[2])
     else:
-        sys.exit("usage: python -m labkit.launch guard PARENT_PID ROOT_PID | probe SPEC.json")
+        sys.exit("usage: python -m labkit.launch train ARGS | guard PARENT_PID ROOT_PID | probe SPEC.json")

@@ -105,8 +105,8 @@ def running_launcher(tmp_path, name):
         while time.time() < deadline:
             kids = me.children(recursive=True)
             seen |= {k.pid for k in kids}
-            # msrun, its scheduler and two workers all carry `labkit train` on their command line
-            if sum("labkit" in c and "train" in c for c in map(_cmdline, kids)) >= 4:
+            # msrun, its scheduler and two workers all carry `labkit.launch train` on their command line
+            if sum("labkit.launch" in c and "train" in c for c in map(_cmdline, kids)) >= 4:
                 break
             time.sleep(0.5)
         else:

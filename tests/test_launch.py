@@ -103,7 +103,7 @@ def test_command_single_node_and_multi_node(tmp_path):
     assert Path(cmd[0]).name == "msrun" or cmd[1:3] == ["-m", "mindspore.parallel.cluster.run"]
     for flag in ("--worker_num=2", "--local_worker_num=2", "--master_port=29517", "--log_dir=logs", "--join=True"):
         assert flag in cmd
-    assert cmd[-7:] == ["python", "-m", "labkit", "train", "--config", "L.yaml", "--json"]
+    assert cmd[-7:] == ["python", "-m", "labkit.launch", "train", "--config", "L.yaml", "--json"]
     assert not any(c.startswith("--node_rank") for c in cmd)
 
     multi = launch.plan("configs/dp2_cpu.yaml", 4, output=tmp_path / "m", nodes=2, node_rank=1,
