@@ -90,7 +90,14 @@ def _init_context(cfg: RunConfig) -> World:
 
     p = cfg.parallel
     ms.set_context(mode=ms.GRAPH_MODE if cfg.train.mode == "graph" else ms.PYNATIVE_MODE)
-    ms.set_device(p.device_target)
+    try:
+        ms.set_device(p.device_target)
+    except RuntimeError as e:  # the runtime already started (any op ran): fine if it runs on the same target
+        current = ms.get_context("device_target")
+        if current != p.device_target:
+            raise LabkitError(f"this process already runs MindSpore on {current}; parallel.device_target "
+                              f"{p.device_target} cannot be chosen any more ({e})",
+                              "start a fresh process (or kernel) for a run on another device") from None
     ms.set_seed(cfg.train.seed)
     launched = int(os.environ.get("MS_WORKER_NUM", "0") or 0)
     mode = p.parallel_mode or ("data_parallel" if launched > 1 else "stand_alone")
