@@ -462,6 +462,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     env.setdefault("GLOG_v", "3")  # quiet MindSpore; mindformers' file logs go under runs/, not ./output
     env.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
     env.setdefault("TQDM_MININTERVAL", "5")
+    env.setdefault("MS_OM_PATH", str(logs))  # a failed graph compile writes rank_N/om/analyze_fail.ir here, not ./
     env = _python_on_path(env, logs / ".bin")
     first_rank = pl.node_rank * pl.workers
     single = pl.total == 1
@@ -741,6 +742,7 @@ def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_0
                   f"--tail_worker_log={NO_TAIL}", "python", "-m", "labkit.launch", "probe", str(spec.resolve())]
     env = _python_on_path({k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, logs / ".bin")
     env.setdefault("GLOG_v", "3")
+    env.setdefault("MS_OM_PATH", str(logs.resolve()))
     with open(logs / "msrun.log", "w", encoding="utf-8") as sink:
         root = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)
