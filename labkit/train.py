@@ -137,7 +137,9 @@ def check_batch(cfg: RunConfig, dp: int) -> int:
     if t.global_batch is not None and t.global_batch != g:
         raise LabkitError(
             f"train.global_batch = {t.global_batch} but micro_batch {t.micro_batch} x dp {dp} x accum {t.accum} = {g}",
-            f"set train.accum = {t.global_batch / (t.micro_batch * dp):g} or change global_batch to {g}")
+            f"set train.accum = {t.global_batch // (t.micro_batch * dp)} or change global_batch to {g}"
+            if t.global_batch % (t.micro_batch * dp) == 0 else
+            f"make global_batch a multiple of micro_batch x dp = {t.micro_batch * dp}, or change it to {g}")
     return g
 
 
