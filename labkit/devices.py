@@ -79,7 +79,7 @@ DEVICE_PRESETS: dict[str, Device] = {
         name="cpu", label="this machine's CPU", memory_gib=0.0, peak_tflops={},
         intra_node_gbps=5.0, inter_node_gbps=1.0, devices_per_node=1, overhead_gib=0.0,
         source=("Peak: a MindSpore float32 GEMM probe on this machine (measure_gemm_peak), filled in by "
-                "device_preset('cpu'). Memory: host RAM. Bandwidths: nominal placeholders, not measured."),
+                "device_preset('cpu'). Memory: host RAM. Bandwidths: nominal values, not measured."),
     ),
 }
 
