@@ -57,7 +57,6 @@ COMPARISONS = {  # name: (config, reference)
     "batch 4 -> 16": ("batch x4", "base"),
     "seq 128 -> 512": ("seq x4", "base"),
 }
-POOL_RE = re.compile(r"dynamic memory pool.*?actual peak used mem:(\d+)M")
 
 
 def model_config(c: dict):
@@ -146,8 +145,9 @@ def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
     result = json.loads(out.read_text())
     if "error" in result:
         raise RuntimeError(f"configuration '{name}' failed: {result['error']}; log: {log}")
-    pool = POOL_RE.findall(text)
-    result["pool_peak_mb"] = float(pool[-1]) if pool else None
+    from labkit.metrics import pool_peak_mb
+
+    result["pool_peak_mb"] = pool_peak_mb(text)
     return result
 
 
@@ -229,7 +229,9 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         real_stdout = os.dup(1)
         os.dup2(2, 1)
-    os.environ["MS_DEV_RUNTIME_CONF"] = "memory_statistics:True"
+    from labkit.metrics import POOL_STATS_ENV
+
+    os.environ.update(POOL_STATS_ENV)
     os.environ.setdefault("GLOG_v", "3")
     from labkit.model import quiet_mindformers
     from labkit.paths import RUNS, atomic_write_text
