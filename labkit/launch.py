@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import LabkitError, LabkitFailure
+from .metrics import read_metrics
 
 # msrun's own report of a failed worker (mindspore/parallel/cluster/process_entity/_api.py, MindSpore 2.9)
 MSRUN_WORKER_ERROR = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
@@ -372,20 +373,6 @@ class _Job:
             pass
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
-
-
 _NOISE = re.compile(r" - (INFO|DEBUG|WARNING) - |^\[(INFO|DEBUG|WARNING)\]|^\s*$")
 
 
@@ -454,7 +441,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     if resume:  # what `labkit train --resume` does first; done here so progress does not show the dead run's steps
         from .train import _rewrite_metrics
 
-        _rewrite_metrics(out, [r for r in _read_metrics(out / "metrics.jsonl") if r.get("step", 0) <= pl.start_step])
+        _rewrite_metrics(out, [r for r in read_metrics(out) if r.get("step", 0) <= pl.start_step])
     logs.mkdir(parents=True, exist_ok=True)
     config_file = atomic_write_text(out / "launch.yaml", dump_run_config(pl.cfg))
     cmd = command(pl, config_file, logs)
@@ -486,7 +473,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
         while True:
             time.sleep(POLL_S)
             job.refresh()
-            rows = _read_metrics(metrics) if (pl.node_rank == 0) else []
+            rows = read_metrics(out) if (pl.node_rank == 0) else []
             if rows and rows[-1].get("step", 0) > steps_seen:
                 steps_seen = rows[-1]["step"]
                 if bar is not None:
@@ -552,7 +539,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     from . import checkpoint
 
     result.seconds = time.perf_counter() - started
-    result.steps_done = max([steps_seen] + [r.get("step", 0) for r in _read_metrics(metrics)])
+    result.steps_done = max([steps_seen] + [r.get("step", 0) for r in read_metrics(out)])
     ck = checkpoint.latest(out)
     result.checkpoint = str(ck) if ck else None
     result.summary = _summary_from_log(logs / "worker_0.log") if pl.node_rank == 0 else None
@@ -660,7 +647,7 @@ def compare_runs(run_a, run_b) -> dict:
     from . import checkpoint
 
     (run_a, ca), (run_b, cb) = _run_and_checkpoint(run_a), _run_and_checkpoint(run_b)
-    ma, mb = (_read_metrics(Path(r) / "metrics.jsonl") for r in (run_a, run_b))
+    ma, mb = (read_metrics(r) for r in (run_a, run_b))
     if not ma or not mb:
         raise LabkitError(f"no metrics.jsonl in {run_a if not ma else run_b}", "compare two finished runs")
     la = {r["step"]: r["loss"] for r in ma}
@@ -689,7 +676,7 @@ def steady_throughput(run) -> float | None:
     """Median tokens/s over the steps after the first (the first one carries graph compilation)."""
     import statistics
 
-    rows = _read_metrics(Path(run) / "metrics.jsonl")
+    rows = read_metrics(run)
     vals = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
     return statistics.median(vals) if vals else None
 

@@ -20,10 +20,18 @@ def pool_peak_mb(log_text: str) -> float | None:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.is_file():
+    """The rows of `<run_dir>/metrics.jsonl`; a line still being written (not yet valid JSON) is skipped."""
+    try:
+        text = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8")
+    except OSError:
         return []
-    return [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
 
 
 def health(history: list[dict], grad_norm_alert: float = 10.0) -> dict:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import checkpoint
-from .config import RunConfig, dump_run_config, load_run_config
+from .config import RunConfig, dump_run_config, load_run_config, to_dict
 from .errors import LabkitError, LabkitFailure
 from .metrics import read_metrics
 from .model import build_model, quiet_mindformers
@@ -392,7 +392,7 @@ class Trainer:
             meta = {"samples_consumed": self.step * self.global_batch, "global_batch": self.global_batch,
                     "rng": {"seed": t.seed, "note": "data order and init are functions of seed and step"},
                     "overflows": self.overflows, "lr_schedule_step": self.step,
-                    "config": json.loads(json.dumps(_cfg_dict(self.cfg)))}
+                    "config": json.loads(json.dumps(to_dict(self.cfg), default=str))}
             path = checkpoint.save(self.out, self.step, self.state_params(), meta, t.keep_checkpoints)
         if self.world.size > 1:
             _barrier()
@@ -469,12 +469,6 @@ def _mean_over_ranks(value: float) -> float:
 def _barrier():
     """Every rank waits here until all have arrived (an all-reduce completes only when every rank joined it)."""
     _all_reduce_sum([0.0])
-
-
-def _cfg_dict(cfg):
-    import dataclasses
-
-    return dataclasses.asdict(cfg)
 
 
 def _rewrite_metrics(out: Path, history: list[dict]):
