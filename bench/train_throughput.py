@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from labkit.data import ensure_dataset
     from labkit.devices import measure_gemm_peak
     from labkit.paths import RUNS
-    from labkit.train import flops_per_token
+    from labkit.plan import flops_per_token
 
     ensure_dataset(a.seq_len)  # build once, outside the timed runs
     gemm = measure_gemm_peak()
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                         "--skip", str(a.skip), "--micro-batch", str(a.micro_batch), "--seq-len", str(a.seq_len)],
                        capture_output=True, text=True, check=True)
     th = json.loads(p.stdout.strip().splitlines()[-1])
-    fpt = flops_per_token(model_preset(a.preset), a.seq_len)
+    fpt = flops_per_token(model_preset(a.preset), a.seq_len)["model"]
     result = {
         "preset": a.preset, "micro_batch": a.micro_batch, "seq_len": a.seq_len, "steps_timed": a.steps - a.skip,
         "ms_tokens_per_s": ms["tokens_per_s"], "torch_tokens_per_s": th["tokens_per_s"],

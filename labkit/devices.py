@@ -96,14 +96,15 @@ def device_preset(name: str, *, measure: bool = True) -> Device:
 
         peak = {}
         if measure:
-            fp32 = _cached_cpu_peak() / 1e12
+            fp32 = cached_gemm_peak() / 1e12
             peak = {"fp32": fp32, "fp16": fp32, "bf16": fp32}  # CPU runs fp32 here; half precision is not faster
         dev = dataclasses.replace(dev, memory_gib=round(psutil.virtual_memory().total / GIB, 1), peak_tflops=peak)
     return dev
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_cpu_peak() -> float:
+def cached_gemm_peak() -> float:
+    """measure_gemm_peak() once per process (runs without a peak_tflops setting use it for MFU)."""
     return measure_gemm_peak()
 
 

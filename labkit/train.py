@@ -23,6 +23,7 @@ from .errors import LabkitError, LabkitFailure
 from .metrics import read_metrics
 from .model import build_model, quiet_mindformers
 from .paths import atomic_write_text
+from .plan import flops_per_token
 
 # Mixed-precision levels, in MindSpore's terms, mapped onto what mindformers' Llama can express.
 #   O0: everything float32.
@@ -71,11 +72,6 @@ def lr_at(step: int, cfg) -> float:
     span = max(1, cfg.decay_steps - cfg.warmup_steps)
     progress = min(1.0, (t - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def flops_per_token(model_cfg, seq_len: int) -> float:
-    """Model FLOPs per trained token (PaLM appendix B): 6N + 12·L·H·Q·T; recomputation is not counted."""
-    return 6 * model_cfg.num_params + 12 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * seq_len
 
 
 @dataclass
@@ -206,7 +202,7 @@ class Trainer:
                                        dp_rank=self._dp_rank(), accum=t.accum, start_step=self.step,
                                        shuffle=cfg.data.shuffle, num_parallel_workers=cfg.data.num_parallel_workers,
                                        prefetch=cfg.data.prefetch)
-        self.flops_per_token = flops_per_token(mcfg, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(mcfg, cfg.data.seq_len)["model"]  # the planner's MFU count
         self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else None
 
     # ------------------------------------------------------------------ setup pieces
@@ -239,11 +235,14 @@ class Trainer:
     def _compile(self, net):
         """One graph per micro-step. Gradients never leave the graph: passing a fresh gradient tuple from one
         @ms.jit graph into another cost seconds per step on CPU (measured), so accumulation uses Parameter
-        buffers and the last micro-step unscales, checks, clips and updates in the same graph."""
+        buffers and the last micro-step unscales, checks, clips and updates in the same graph. Every
+        per-gradient operation goes through `HyperMap` (see `_grad_ops`)."""
         import mindspore as ms
         from mindspore import nn, ops
+        from mindspore.ops import functional as F
 
         opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
+        g_ops, hmap = _grad_ops(), ops.HyperMap()
         reducer = None
         if self.world.mode == "data_parallel":
             reducer = nn.DistributedGradReducer(opt.parameters, mean=True, degree=self.world.size)
@@ -263,28 +262,24 @@ class Trainer:
         @ms.jit
         def accumulate(x, scale):
             (_, loss), grads = grad_fn(x, scale)
-            for a, g in zip(acc, grads):
-                ops.assign_add(a, g.astype(ms.float32))
-            return loss
+            return F.depend(loss, hmap(g_ops["assign_add"], acc, grads))
 
         @ms.jit
         def step(x, scale, denom):
             (_, loss), grads = grad_fn(x, scale)
             if accum > 1:
-                grads = tuple(a + g.astype(ms.float32) for a, g in zip(acc, grads))
+                grads = hmap(g_ops["add"], acc, grads)
             if reducer is not None:
                 grads = reducer(grads)
-            grads = tuple(g.astype(ms.float32) / denom for g in grads)
+            grads = hmap(F.partial(g_ops["divide"], denom), grads)
             finite = ms.amp.all_finite(grads)
-            norm = ops.sqrt(ops.addn([ops.reduce_sum(ops.square(g)) for g in grads]))
+            norm = ops.sqrt(ops.addn(hmap(g_ops["square_sum"], grads)))
             if clip > 0:
-                factor = ops.minimum(clip / (norm + 1e-6), 1.0)
-                grads = tuple(g * factor for g in grads)
+                grads = hmap(F.partial(g_ops["multiply"], ops.minimum(clip / (norm + 1e-6), 1.0)), grads)
             if finite:  # a skipped update leaves weights, moments and the schedule position untouched
                 opt(grads)
             if accum > 1:
-                for a in acc:
-                    ops.assign(a, ops.zeros_like(a))
+                loss = F.depend(loss, hmap(g_ops["zero"], acc))
             return loss, finite, norm
 
         self._accumulate, self._step = accumulate, step
@@ -321,49 +316,51 @@ class Trainer:
 
         t, rank0 = self.cfg.train, self.world.rank == 0
         if self.peak_flops is None:
-            from .devices import measure_gemm_peak
+            from .devices import cached_gemm_peak
 
-            self.peak_flops = measure_gemm_peak()
+            self.peak_flops = cached_gemm_peak()
         if rank0:
             self.out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.out / "config.yaml", dump_run_config(self.cfg))
             _rewrite_metrics(self.out, self.history)
         bar = _progress(t.steps, self.step, rank0)
-        tokens_per_step = self.global_batch * self.cfg.data.seq_len
-        while self.step < t.steps:
-            start = time.perf_counter()
-            scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
-            scale_t = ms.Tensor(scale, ms.float32)
-            losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
-            loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t,
-                                            ms.Tensor(scale * t.accum, ms.float32))
-            losses.append(loss)
-            finite = bool(finite.asnumpy())
-            loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
-            if self.world.size > 1:
-                loss = _mean_over_ranks(loss)
-            if self.scaler is not None:
-                self.scaler.adjust(ms.Tensor(finite))
-            grad_norm = float(norm.asnumpy())
-            self._health(finite, loss, grad_norm, scale)
-            self.step += 1
-            seconds = time.perf_counter() - start
-            rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
-                   "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
-                   "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
-                   "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
-                   "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
-            self.history.append(rec)
-            if rank0:
-                with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
-            if on_step:
-                on_step(rec)
-            if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
-                self.save()
-        bar.close()
+        try:
+            tokens_per_step = self.global_batch * self.cfg.data.seq_len
+            while self.step < t.steps:
+                start = time.perf_counter()
+                scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
+                scale_t = ms.Tensor(scale, ms.float32)
+                losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
+                loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t,
+                                                ms.Tensor(scale * t.accum, ms.float32))
+                losses.append(loss)
+                finite = bool(finite.asnumpy())
+                loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
+                if self.world.size > 1:
+                    loss = _mean_over_ranks(loss)
+                if self.scaler is not None:
+                    self.scaler.adjust(ms.Tensor(finite))
+                grad_norm = float(norm.asnumpy())
+                self._health(finite, loss, grad_norm, scale)
+                self.step += 1
+                seconds = time.perf_counter() - start
+                rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
+                       "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
+                       "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+                       "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
+                       "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
+                self.history.append(rec)
+                if rank0:
+                    with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+                if on_step:
+                    on_step(rec)
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
+                    self.save()
+        finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
+            bar.close()
         return self.summary()
 
     def _health(self, finite: bool, loss: float, grad_norm: float, scale: float):
@@ -473,6 +470,55 @@ def _barrier():
 
 def _rewrite_metrics(out: Path, history: list[dict]):
     atomic_write_text(Path(out) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+
+
+_GRAD_OPS: dict = {}
+
+
+def _grad_ops() -> dict:
+    """The per-gradient operations of the step as `MultitypeFuncGraph`s for `ops.HyperMap`: one sub-graph applied
+    to every gradient. Written as Python loops over the gradient tuple, each operation became one node per tensor and
+    the tiny model's step graph took ~21 s to compile on 2 CPU cores instead of ~10 s (bench/compile_time.py)."""
+    if _GRAD_OPS:
+        return _GRAD_OPS
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.ops import composite as C
+
+    def op(name, signature):
+        graph = C.MultitypeFuncGraph(f"labkit_{name}")
+
+        def register(fn):
+            graph.register(*signature)(fn)
+            _GRAD_OPS[name] = graph
+            return fn
+        return register
+
+    @op("divide", ("Tensor", "Tensor"))
+    def _divide(denom, g):
+        return g.astype(ms.float32) / denom
+
+    @op("multiply", ("Tensor", "Tensor"))
+    def _multiply(factor, g):
+        return g * factor
+
+    @op("square_sum", ("Tensor",))
+    def _square_sum(g):
+        return ops.reduce_sum(ops.square(g))
+
+    @op("add", ("Tensor", "Tensor"))
+    def _add(a, g):
+        return a + g.astype(ms.float32)
+
+    @op("assign_add", ("Tensor", "Tensor"))
+    def _assign_add(a, g):
+        return ops.assign_add(a, g.astype(ms.float32))
+
+    @op("zero", ("Tensor",))
+    def _zero(a):
+        return ops.assign(a, ops.zeros_like(a))
+
+    return _GRAD_OPS
 
 
 def _progress(total: int, initial: int, enabled: bool):
