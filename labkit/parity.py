@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import to_dict
-from .convert import as_float32, ckpt_index, model_config_from_hf, quiet_console, read_ckpt_tensor, read_model_config
+from .ckpt_io import as_float32, ckpt_index, read_ckpt_tensor
+from .convert import model_config_from_hf, quiet_console, read_model_config
 from .errors import LabkitError, LabkitFailure
 from .paths import atomic_dir
 

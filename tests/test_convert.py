@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labkit import convert, parity
+from labkit import ckpt_io, convert, parity
 from labkit.errors import LabkitError
 
 VARIANTS = {
@@ -160,13 +160,13 @@ def test_recorded_source_and_dtypes(converted):
     assert rep["dtype"] == rec["dtype"] == "bfloat16" and rep["source_dtypes"] == ["bfloat16"]
     assert {t["source_dtype"] for t in rec["tensors"]} == {"bfloat16"}
     assert len(rec["tensors"]) == 2 * 9 + 3 and rec["hf_config"]["vocab_size"] == 1003
-    idx = convert.ckpt_index(d / "model.ckpt")
+    idx = ckpt_io.ckpt_index(d / "model.ckpt")
     assert {e.dtype for e in idx.values()} == {"bfloat16"}
     assert idx["model.tok_embeddings.embedding_weight"].shape == (1003, 64)
     rep, d = converted["bin_tied"]
     roles = [t["role"] for t in json.loads((d / "conversion.json").read_text())["tensors"]]
     assert roles.count("tied_copy") == 1  # pytorch_model.bin keeps lm_head.weight even when tied
-    assert "lm_head.weight" not in convert.ckpt_index(d / "model.ckpt")
+    assert "lm_head.weight" not in ckpt_io.ckpt_index(d / "model.ckpt")
 
 
 def test_transformers_loads_the_result_and_dtype_option(hf_dirs, tmp_path):
@@ -175,44 +175,11 @@ def test_transformers_loads_the_result_and_dtype_option(hf_dirs, tmp_path):
 
     src = hf_dirs["mha_untied_oddvocab_bf16"]
     convert.hf2ms(src, tmp_path / "f32", dtype="float32")
-    assert {e.dtype for e in convert.ckpt_index(tmp_path / "f32" / "model.ckpt").values()} == {"float32"}
+    assert {e.dtype for e in ckpt_io.ckpt_index(tmp_path / "f32" / "model.ckpt").values()} == {"float32"}
     convert.ms2hf(tmp_path / "f32", tmp_path / "back")  # back in the recorded bf16, exactly
     assert _raw_tensors(tmp_path / "back") == _raw_tensors(src)
     m = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype="auto")
     assert m.dtype == torch.bfloat16 and m.config.vocab_size == 1003
-
-
-def test_bf16_rounding_matches_torch():
-    import torch
-
-    x = np.random.default_rng(0).normal(size=4096).astype(np.float32) * 1e3
-    x[:4] = [np.inf, -np.inf, np.nan, 3.0e38]
-    ours = convert.cast(x, "float32", "bfloat16")
-    ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(ours[3:], ref[3:]) and np.isnan(convert.as_float32(ours[2:3], "bfloat16")).all()
-    assert np.array_equal(ours[:2], ref[:2])
-
-
-def test_ckpt_writer_matches_mindspore_and_splits_big_tensors(tmp_path, monkeypatch):
-    import mindspore as ms
-
-    a = np.random.default_rng(1).normal(size=(6, 5)).astype(np.float32)
-    items = [("a", a, "float32"), ("b", a.astype(np.float16), "float16"),
-             ("c", convert.cast(a, "float32", "bfloat16"), "bfloat16")]
-    w = convert.CkptWriter(tmp_path / "mine.ckpt")
-    for n, arr, dt in items:
-        w.write(n, arr, dt)
-    w.close()
-    ms.save_checkpoint([{"name": "a", "data": ms.Tensor(a)}, {"name": "b", "data": ms.Tensor(a.astype(np.float16))},
-                        {"name": "c", "data": ms.Tensor(a, dtype=ms.bfloat16)}], str(tmp_path / "ref.ckpt"))
-    assert (tmp_path / "mine.ckpt").read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
-    monkeypatch.setattr(convert, "CKPT_CHUNK", 24)  # force several records per tensor
-    w = convert.CkptWriter(tmp_path / "chunks.ckpt")
-    w.write("a", a, "float32")
-    w.close()
-    idx = convert.ckpt_index(tmp_path / "chunks.ckpt")
-    assert len(idx["a"].chunks) == 5 and np.array_equal(convert.read_ckpt_tensor(tmp_path / "chunks.ckpt", idx["a"]), a)
-    assert np.array_equal(ms.load_checkpoint(str(tmp_path / "chunks.ckpt"))["a"].asnumpy(), a)
 
 
 # ------------------------------------------------------------------------------------------- failures
@@ -281,7 +248,7 @@ def test_old_rotary_buffers_are_checked_and_kept(theta, hf_dirs, tmp_path):
 
 def test_interrupted_conversion_leaves_nothing_complete(hf_dirs, tmp_path, monkeypatch):
     calls = []
-    real = convert.CkptWriter.write
+    real = ckpt_io.CkptWriter.write
 
     def flaky(self, *a):
         calls.append(1)
@@ -289,7 +256,7 @@ def test_interrupted_conversion_leaves_nothing_complete(hf_dirs, tmp_path, monke
             raise KeyboardInterrupt
         return real(self, *a)
 
-    monkeypatch.setattr(convert.CkptWriter, "write", flaky)
+    monkeypatch.setattr(ckpt_io.CkptWriter, "write", flaky)
     with pytest.raises(KeyboardInterrupt):
         convert.hf2ms(hf_dirs["gqa_tied_f32"], tmp_path / "out")
     assert _no_leftovers(tmp_path / "out")
