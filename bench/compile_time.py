@@ -33,18 +33,7 @@ def _compile_loops(self, net):
     from mindspore import ops
 
     opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
-    self.acc = None
-    if accum > 1:
-        self.acc = ms.ParameterTuple(
-            ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"accu_grads.{p.name}", requires_grad=False)
-            for p in opt.parameters)
-    acc = self.acc
-
-    def loss_fn(x, scale):
-        loss = net(x)
-        return loss * scale, loss
-
-    grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters, has_aux=True)
+    acc, grad_fn = self._accumulators(), self._grad_fn(net)  # the same buffers and gradients as labkit's step
 
     @ms.jit
     def accumulate(x, scale):

@@ -246,18 +246,7 @@ class Trainer:
         reducer = None
         if self.world.mode == "data_parallel":
             reducer = nn.DistributedGradReducer(opt.parameters, mean=True, degree=self.world.size)
-        self.acc = None
-        if accum > 1:
-            self.acc = ms.ParameterTuple(
-                ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"accu_grads.{p.name}", requires_grad=False)
-                for p in opt.parameters)
-        acc = self.acc
-
-        def loss_fn(x, scale):
-            loss = net(x)
-            return loss * scale, loss
-
-        grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters, has_aux=True)
+        acc, grad_fn = self._accumulators(), self._grad_fn(net)
 
         @ms.jit
         def accumulate(x, scale):
@@ -283,6 +272,28 @@ class Trainer:
             return loss, finite, norm
 
         self._accumulate, self._step = accumulate, step
+
+    def _accumulators(self):
+        """float32 gradient buffers (`self.acc`) when accumulating, else None."""
+        import mindspore as ms
+        from mindspore import ops
+
+        self.acc = None
+        if self.cfg.train.accum > 1:
+            self.acc = ms.ParameterTuple(
+                ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"accu_grads.{p.name}", requires_grad=False)
+                for p in self.opt.parameters)
+        return self.acc
+
+    def _grad_fn(self, net):
+        """(scaled loss, loss) and the gradients of the scaled loss with respect to the optimizer's parameters."""
+        import mindspore as ms
+
+        def loss_fn(x, scale):
+            loss = net(x)
+            return loss * scale, loss
+
+        return ms.value_and_grad(loss_fn, None, self.opt.parameters, has_aux=True)
 
     def state_params(self):
         named = list(self.model.parameters_and_names()) + list(self.opt.parameters_and_names())
@@ -312,8 +323,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step=None) -> dict:
-        import mindspore as ms
-
         t, rank0 = self.cfg.train, self.world.rank == 0
         if self.peak_flops is None:
             from .devices import cached_gemm_peak
@@ -324,37 +333,15 @@ class Trainer:
             atomic_write_text(self.out / "config.yaml", dump_run_config(self.cfg))
             _rewrite_metrics(self.out, self.history)
         bar = _progress(t.steps, self.step, rank0)
+        tokens_per_step = self.global_batch * self.cfg.data.seq_len
         try:
-            tokens_per_step = self.global_batch * self.cfg.data.seq_len
             while self.step < t.steps:
-                start = time.perf_counter()
-                scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
-                scale_t = ms.Tensor(scale, ms.float32)
-                losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
-                loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t,
-                                                ms.Tensor(scale * t.accum, ms.float32))
-                losses.append(loss)
-                finite = bool(finite.asnumpy())
-                loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
-                if self.world.size > 1:
-                    loss = _mean_over_ranks(loss)
-                if self.scaler is not None:
-                    self.scaler.adjust(ms.Tensor(finite))
-                grad_norm = float(norm.asnumpy())
-                self._health(finite, loss, grad_norm, scale)
-                self.step += 1
-                seconds = time.perf_counter() - start
-                rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
-                       "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
-                       "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
-                       "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
-                       "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
-                self.history.append(rec)
+                rec = self._train_step(tokens_per_step)
                 if rank0:
                     with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
                         f.write(json.dumps(rec) + "\n")
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
                 if on_step:
                     on_step(rec)
                 if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
@@ -362,6 +349,35 @@ class Trainer:
         finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
             bar.close()
         return self.summary()
+
+    def _train_step(self, tokens_per_step: int) -> dict:
+        """One optimizer step (accum micro-steps), checked, counted and recorded in self.history."""
+        import mindspore as ms
+
+        t = self.cfg.train
+        start = time.perf_counter()
+        scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
+        scale_t = ms.Tensor(scale, ms.float32)
+        losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
+        loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t, ms.Tensor(scale * t.accum, ms.float32))
+        losses.append(loss)
+        finite = bool(finite.asnumpy())
+        loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
+        if self.world.size > 1:
+            loss = _mean_over_ranks(loss)
+        if self.scaler is not None:
+            self.scaler.adjust(ms.Tensor(finite))
+        grad_norm = float(norm.asnumpy())
+        self._health(finite, loss, grad_norm, scale)
+        self.step += 1
+        seconds = time.perf_counter() - start
+        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
+               "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
+               "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+               "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
+               "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
+        self.history.append(rec)
+        return rec
 
     def _health(self, finite: bool, loss: float, grad_norm: float, scale: float):
         t = self.cfg.train
@@ -487,36 +503,31 @@ def _grad_ops() -> dict:
     from mindspore import ops
     from mindspore.ops import composite as C
 
-    def op(name, signature):
-        graph = C.MultitypeFuncGraph(f"labkit_{name}")
+    def op(name, *signature):
+        _GRAD_OPS[name] = C.MultitypeFuncGraph(f"labkit_{name}")
+        return _GRAD_OPS[name].register(*signature)
 
-        def register(fn):
-            graph.register(*signature)(fn)
-            _GRAD_OPS[name] = graph
-            return fn
-        return register
-
-    @op("divide", ("Tensor", "Tensor"))
+    @op("divide", "Tensor", "Tensor")
     def _divide(denom, g):
         return g.astype(ms.float32) / denom
 
-    @op("multiply", ("Tensor", "Tensor"))
+    @op("multiply", "Tensor", "Tensor")
     def _multiply(factor, g):
         return g * factor
 
-    @op("square_sum", ("Tensor",))
+    @op("square_sum", "Tensor")
     def _square_sum(g):
         return ops.reduce_sum(ops.square(g))
 
-    @op("add", ("Tensor", "Tensor"))
+    @op("add", "Tensor", "Tensor")
     def _add(a, g):
         return a + g.astype(ms.float32)
 
-    @op("assign_add", ("Tensor", "Tensor"))
+    @op("assign_add", "Tensor", "Tensor")
     def _assign_add(a, g):
         return ops.assign_add(a, g.astype(ms.float32))
 
-    @op("zero", ("Tensor",))
+    @op("zero", "Tensor")
     def _zero(a):
         return ops.assign(a, ops.zeros_like(a))
 
