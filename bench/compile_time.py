@@ -5,7 +5,7 @@
     python bench/compile_time.py --accum 1 4 --steps 6
 
 The step graph unscales, checks, measures, clips and (with accumulation) adds every gradient. Written as Python
-comprehensions over the gradient tuple, MindSpore unrolls each operation into one node per tensor; `labkit.train`
+comprehensions over the gradient tuple, MindSpore unrolls each operation into one node per tensor; `labkit.training.trainer`
 applies them with `HyperMap` over `MultitypeFuncGraph`s instead. Each variant trains the tiny model for a few
 steps with labkit's real Trainer in a fresh process (no compile cache carries over); the first step's time is
 compile + one step, the steady step time is the median of the others. Both variants give the same losses, which
@@ -64,7 +64,7 @@ def _compile_loops(self, net):
 
 
 def worker(variant: str, accum: int, steps: int, output: str) -> dict:
-    from labkit import train as T
+    from labkit.training import trainer as T
     from labkit.config import load_run_config
 
     if variant == "loops":

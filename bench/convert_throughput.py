@@ -87,9 +87,11 @@ def _rss_mb() -> float:
 def child(method: str, src: Path, dst: Path) -> dict:
     """Runs in a fresh process: import the frameworks, note RSS, convert, report peak RSS."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from labkit import convert
+    from labkit.weights import convert
+    from labkit import logs
+    from labkit.weights import mapping
 
-    convert.quiet_console()  # MindSpore + mindformers imported: the fixed cost both methods share
+    logs.quiet_mindformers()  # MindSpore + mindformers imported: the fixed cost both methods share
     import mindspore as ms  # noqa: F401
 
     base = _rss_mb()
@@ -99,7 +101,7 @@ def child(method: str, src: Path, dst: Path) -> dict:
     elif method == "streaming_ms2hf":
         convert.ms2hf(src, dst)
     elif method == "parity":
-        from labkit import parity
+        from labkit.weights import parity
 
         r = parity.run_parity(src, dst)
         return dict(method=method, seconds=time.perf_counter() - t0, **{k: r[k] for k in (
@@ -116,7 +118,7 @@ def child(method: str, src: Path, dst: Path) -> dict:
         items = []
         for k, v in sd.items():
             data = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
-            items.append({"name": convert.hf_to_ms(k), "data": ms.Tensor(data, dtype=getattr(ms, str(v.dtype)[6:]))})
+            items.append({"name": mapping.hf_to_ms(k), "data": ms.Tensor(data, dtype=getattr(ms, str(v.dtype)[6:]))})
         dst.mkdir()
         ms.save_checkpoint(items, str(dst / "model.ckpt"))
     else:

@@ -43,26 +43,27 @@ def main(argv=None) -> int:
 
     out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        from labkit import data
+        from labkit.data import bench as data_bench
+        from labkit.training import steptime
 
-        runs = [data.run_bench(seq_len=args.seq_len, workers=args.workers, prefetch=args.prefetch,
+        runs = [data_bench.run_bench(seq_len=args.seq_len, workers=args.workers, prefetch=args.prefetch,
                                max_docs=args.max_docs) for _ in range(args.repeats)]
         r = runs[0]
         r["rows"] = best_of(runs)
         r["repeats"] = args.repeats
         # recompute the derived figures from the best rows
-        again = data.summarize_rows(r["rows"], args.prefetch)
+        again = data_bench.summarize_rows(r["rows"], args.prefetch)
         r.update(again)
         loader_tps = max(row["tokens_per_s"] for row in r["rows"] if row["pipeline"] == "MindRecord")
         tokens_per_step = args.micro_batch * (args.seq_len + 1)
-        claims = data.check_claims(r, loader_tps, tokens_per_step,
-                                   None if args.no_model_step else data.model_step_seconds(args.seq_len,
+        claims = data_bench.check_claims(r, loader_tps, tokens_per_step,
+                                   None if args.no_model_step else steptime.model_step_seconds(args.seq_len,
                                                                                            args.micro_batch))
         r["claims"] = claims
     if args.json:
         out.write(json.dumps(r, default=str) + "\n")
     else:
-        print(data.format_table(r))
+        print(data_bench.format_table(r))
         print()
         for c in claims:
             print(f"[{c['verdict']}] {c['claim']}\n        {c['evidence']}")

@@ -6,7 +6,7 @@ and the share of a data-parallel step spent in the gradient all-reduce.
     python bench/dp_scaling.py --steps 20 --workers 2
 
 Throughput is the median over the steps after the first (which compiles the graph). The all-reduce is timed by
-`labkit.launch.measure_allreduce` on tensors shaped like the model's gradients (the reducer training uses).
+`labkit.probe.measure_allreduce` on tensors shaped like the model's gradients (the reducer training uses).
 On a shared machine the figures swing with the load: run it when the machine is quiet, and say so when quoting.
 """
 from __future__ import annotations
@@ -36,7 +36,8 @@ def main(argv=None) -> int:
 
     out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        from labkit import launch
+        from labkit.launch import launcher as launch
+        from labkit.launch import probe
         from labkit.paths import lab_path
 
         root = lab_path(args.output)
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
                        "step_s": statistics.median(r["step_time_s"] for r in rows),
                        "first_step_s": json.loads(Path(res.metrics).read_text().splitlines()[0])["step_time_s"]}
-        probe = launch.measure_allreduce("tiny", workers=n, repeats=args.repeats, output=root / "allreduce")
+        probe = probe.measure_allreduce("tiny", workers=n, repeats=args.repeats, output=root / "allreduce")
         g = probe["model_grads"]
         result = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "runs": list(runs.values()),
                   "speedup": runs[n]["tokens_per_s"] / runs[1]["tokens_per_s"], "backend": probe["backend"],

@@ -1,7 +1,7 @@
-"""Calibrate the planner (labkit.plan) against measurement on this CPU.
+"""Calibrate the planner (labkit.parallel.planner) against measurement on this CPU.
 
 Each configuration (batch, sequence, layers, recompute) trains a few real steps in its own process:
-labkit.model.build_model + mindspore.value_and_grad + mindformers' AdamW, float32, GRAPH mode. Each child reports
+labkit.model.llama.build_model + mindspore.value_and_grad + mindformers' AdamW, float32, GRAPH mode. Each child reports
   - MindSpore's own memory-pool peak (MS_DEV_RUNTIME_CONF=memory_statistics:True, printed when the process ends):
     the live tensors of the step (activations, gradients, temporaries); weights and optimizer states are
     Parameters and live outside the pool;
@@ -71,8 +71,8 @@ def measure(c: dict, steps: int) -> dict:
     import mindspore as ms
     from mindformers.core.optim import AdamW
 
-    from labkit.devices import measure_gemm_peak
-    from labkit.model import build_model
+    from labkit.parallel.devices import measure_gemm_peak
+    from labkit.model.llama import build_model
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     gemm = measure_gemm_peak(n=512, seconds=0.7)
@@ -145,7 +145,7 @@ def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
     result = json.loads(out.read_text())
     if "error" in result:
         raise RuntimeError(f"configuration '{name}' failed: {result['error']}; log: {log}")
-    from labkit.metrics import pool_peak_mb
+    from labkit.training.metrics import pool_peak_mb
 
     result["pool_peak_mb"] = pool_peak_mb(text)
     return result
@@ -153,8 +153,9 @@ def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
 
 def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
     """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm."""
-    from labkit.devices import GIB
-    from labkit.plan import DEFAULT_EFFICIENCY, flops_per_token, memory_breakdown
+    from labkit.parallel.devices import GIB
+    from labkit.parallel.planner import DEFAULT_EFFICIENCY, memory_breakdown
+    from labkit.model.shapes import flops_per_token
 
     cfg = model_config(c)
     m = memory_breakdown(cfg, seq_len=c["seq"], micro_batch=c["batch"], recompute=c["recompute"],
@@ -229,12 +230,13 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         real_stdout = os.dup(1)
         os.dup2(2, 1)
-    from labkit.metrics import POOL_STATS_ENV
+    from labkit.training.metrics import POOL_STATS_ENV
 
     os.environ.update(POOL_STATS_ENV)
     os.environ.setdefault("GLOG_v", "3")
-    from labkit.model import quiet_mindformers
-    from labkit.paths import RUNS, atomic_write_text
+    from labkit.logs import quiet_mindformers
+    from labkit.paths import RUNS
+    from labkit.io import atomic_write_text
 
     quiet_mindformers()
     try:
@@ -286,7 +288,7 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
                     "seconds": round(time.time() - t0, 1)},
         "notes": [
             "pool = MindSpore's memory-pool peak (live tensors of the step); compared with activations + "
-            "gradients from labkit.plan.memory_breakdown(precision='fp32', flash_attention=False)",
+            "gradients from labkit.parallel.planner.memory_breakdown(precision='fp32', flash_attention=False)",
             "RSS also holds weights and optimizer states (outside the pool), graph compilation, and the CPU "
             "MatMul kernels' private packed copies of their operands, which no accelerator memory model counts: "
             "RSS differences run well above the model",

@@ -3,7 +3,7 @@
 Same architecture (the model preset, built by mindformers on one side and transformers on the other), same batch of
 real packed samples from the shipped corpus, same optimizer (AdamW 0.9/0.95, wd 0.1, grad clip 1.0), float32 on CPU.
 Each side runs in its own process (thread pools and allocators stay separate); the first steps (graph compile,
-warm-up) are excluded. MFU = model FLOPs per token (labkit.plan) x tokens/s / each framework's own GEMM peak, measured in the same run.
+warm-up) are excluded. MFU = model FLOPs per token (labkit.parallel.planner) x tokens/s / each framework's own GEMM peak, measured in the same run.
 
     python bench/train_throughput.py [--preset tiny] [--steps 20] [--micro-batch 8] [--seq-len 128] [--json]
 """
@@ -26,7 +26,8 @@ def torch_worker(preset: str, steps: int, micro_batch: int, seq_len: int, skip: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from labkit.config import model_preset
-    from labkit.data import ensure_dataset, make_loader
+    from labkit.data.dataset import ensure_dataset
+    from labkit.data.loader import make_loader
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -69,8 +70,8 @@ def torch_gemm_gflops(n: int = 1024, repeats: int = 20) -> float:
 
 
 def ms_side(preset: str, steps: int, micro_batch: int, seq_len: int, skip: int, out: Path) -> dict:
-    from labkit.metrics import read_metrics
-    from labkit.train import train_in_subprocess
+    from labkit.training.metrics import read_metrics
+    from labkit.training.trainer import train_in_subprocess
 
     train_in_subprocess("configs/tiny_cpu.yaml", [
         f"model.preset={preset}", f"output_dir={out}", f"train.steps={steps}", f"train.micro_batch={micro_batch}",
@@ -95,10 +96,10 @@ def main(argv=None) -> int:
         return 0
 
     from labkit.config import model_preset
-    from labkit.data import ensure_dataset
-    from labkit.devices import measure_gemm_peak
+    from labkit.data.dataset import ensure_dataset
+    from labkit.parallel.devices import measure_gemm_peak
     from labkit.paths import RUNS
-    from labkit.plan import flops_per_token
+    from labkit.model.shapes import flops_per_token
 
     ensure_dataset(a.seq_len)  # build once, outside the timed runs
     gemm = measure_gemm_peak()

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import LabkitError
-from .paths import CONFIGS, lab_path
+from labkit.errors import LabkitError
+from labkit.paths import lab_path
 
 # --------------------------------------------------------------------------------------------- loading
 
@@ -27,7 +27,7 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp, where: str):
+def coerce(value: Any, tp, where: str):
     """Check (and gently convert) one value against a type annotation."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -39,7 +39,7 @@ def _coerce(value: Any, tp, where: str):
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, where)
+                return coerce(value, arg, where)
             except LabkitError as e:
                 errors.append(e)
         raise errors[0]
@@ -52,7 +52,7 @@ def _coerce(value: Any, tp, where: str):
         if not isinstance(value, (list, tuple)):
             raise LabkitError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
         (arg, *_) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise LabkitError(f"{where} must be a mapping, got {value!r}")
@@ -107,7 +107,7 @@ def load(cls, data: dict | None, where: str = ""):
             close = difflib.get_close_matches(str(key), list(known), n=1)
             fix = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
             raise LabkitError(f"unknown key '{name}'", fix)
-        kwargs[key] = _coerce(value, hints[key], name)
+        kwargs[key] = coerce(value, hints[key], name)
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
     if check:
@@ -249,22 +249,6 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return load(ModelConfig, {"name": name, **MODEL_PRESETS[name], **overrides}, "model")
 
 
-def model_from_hf(config: dict | str | Path, name: str | None = None) -> ModelConfig:
-    """A ModelConfig from an HF Llama-family `config.json` (dict or path). Unsupported features raise."""
-    from . import convert  # the rules of what mindformers can express live with the converter
-
-    if not isinstance(config, dict):
-        import json
-
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise LabkitError(f"{path} not found", "point at an HF model directory with a config.json")
-        config = json.loads(path.read_text(encoding="utf-8"))
-    return convert.model_config_from_hf(config, name=name)
-
-
 # ------------------------------------------------------------------------------------------ training run
 
 
@@ -302,7 +286,7 @@ class TrainConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norm gains)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
-    amp_level: Literal["O0", "O1", "O2", "O3"] = "O0"  # mixed precision level (see labkit.train.AMP_LEVELS)
+    amp_level: Literal["O0", "O1", "O2", "O3"] = "O0"  # mixed precision level (see labkit.config.AMP_LEVELS)
     loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
     scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
     scale_factor: int = 2  # loss-scale growth/shrink factor
@@ -379,3 +363,44 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
 
 def dump_run_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+# Mixed-precision levels, in MindSpore's terms, mapped onto what mindformers' Llama can express.
+#   O0: everything float32.
+#   O1: MindSpore's white-list casting (`ms.amp.auto_mixed_precision(net, "O1")`) on the float32 model.
+#   O2: float16 compute, float32 master weights, norms and softmax in float32 (what mindformers' own configs do;
+#       `auto_mixed_precision(net, "O2")` breaks the attention BatchMatMul's dtypes in mindformers 1.9.0).
+#   O3: float16 everywhere, weights included.
+# O1-O3 use dynamic loss scaling.
+AMP_LEVELS = {
+    "O0": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O1": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O2": dict(compute_dtype="float16", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
+    "O3": dict(compute_dtype="float16", param_dtype="float16", softmax_dtype="float16", norm_dtype="float16"),
+}
+
+
+def parse_recompute(spec: str, num_layers: int) -> list[int]:
+    """`none`, `all`, `last:K`, `first:K` or `A-B` (inclusive) → decoder-layer indices to recompute."""
+    s = (spec or "none").strip().lower()
+    try:
+        if s in ("none", "off", "false", ""):
+            return []
+        if s in ("all", "full", "true", "on"):
+            return list(range(num_layers))
+        if s.startswith("last:"):
+            k = int(s[5:])
+            return list(range(max(0, num_layers - k), num_layers))
+        if s.startswith("first:"):
+            return list(range(min(num_layers, int(s[6:]))))
+        if "-" in s:
+            a, b = (int(x) for x in s.split("-"))
+            if 0 <= a <= b < num_layers:
+                return list(range(a, b + 1))
+    except ValueError:
+        pass
+    raise LabkitError(f"train.recompute = {spec!r} is not understood",
+                      f"use none, all, last:K, first:K or A-B with layers 0..{num_layers - 1}")
+
+
+RECOMPUTE = ("none", "selective", "full")

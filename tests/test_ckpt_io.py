@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from labkit import ckpt_io
+from labkit.weights import formats as ckpt_io
 
 
 def test_bf16_rounding_matches_torch():

@@ -4,7 +4,7 @@ import typing
 
 import pytest
 
-from labkit import pretrain
+from labkit.course import pretrain
 from labkit.config import RunConfig, load_run_config, read_yaml
 from labkit.paths import CONFIGS, NOTEBOOKS
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labkit import ckpt_io, convert, parity
+from labkit.weights import formats as ckpt_io
+from labkit.weights import convert
+from labkit import logs
+from labkit.model import shapes
+from labkit.weights import hf_config
+from labkit.weights import mapping
+from labkit.weights import parity
 from labkit.errors import LabkitError
 
 VARIANTS = {
@@ -66,14 +72,14 @@ BASE = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=1
 
 
 def test_config_fields_map():
-    cfg = convert.model_config_from_hf(BASE, name="x")
+    cfg = hf_config.model_config_from_hf(BASE, name="x")
     assert (cfg.num_kv_heads, cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (2, 5e5, 1e-5, True)
     assert (cfg.intermediate_size, cfg.max_position_embeddings, cfg.init_std) == (176, 256, 0.03)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 0)  # first eos; no pad -> 0
     assert cfg.num_params == 1000 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176 + 2 * 64) + 64
     # HF's own defaults apply to absent keys (not labkit's)
     bare = {k: v for k, v in BASE.items() if k not in ("rms_norm_eps", "rope_theta", "num_key_value_heads")}
-    d = convert.model_config_from_hf(bare)
+    d = hf_config.model_config_from_hf(bare)
     assert (d.rms_norm_eps, d.rope_theta, d.kv_heads) == (1e-6, 1e4, 4)
 
 
@@ -92,12 +98,12 @@ def test_config_fields_map():
 def test_config_refusals_name_the_key(change, key):
     cfg = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     with pytest.raises(LabkitError, match=key):
-        convert.model_config_from_hf(cfg)
+        hf_config.model_config_from_hf(cfg)
 
 
 def test_plain_rope_scaling_and_mistral_without_window_are_accepted():
-    convert.model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "default"}})
-    convert.model_config_from_hf({**BASE, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+    hf_config.model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "default"}})
+    hf_config.model_config_from_hf({**BASE, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
                                   "sliding_window": None})
 
 
@@ -114,19 +120,19 @@ def test_unsupported_config_writes_nothing(hf_dirs, tmp_path):
 def test_mapping_is_a_bijection_and_agrees_with_mindformers():
     from labkit.config import model_preset
 
-    convert.quiet_console()
+    logs.quiet_mindformers()
     from mindformers import LlamaForCausalLM
 
     for tied in (True, False):
         cfg = model_preset("tiny", tie_word_embeddings=tied)
-        names = list(convert.expected_hf_shapes(cfg))
-        ms = [convert.hf_to_ms(n) for n in names]
+        names = list(shapes.expected_hf_shapes(cfg))
+        ms = [mapping.hf_to_ms(n) for n in names]
         assert len(set(ms)) == len(ms) and None not in ms
-        assert [convert.ms_to_hf(n) for n in ms] == names
+        assert [mapping.ms_to_hf(n) for n in ms] == names
         # mindformers' own HF name conversion (used by its safetensors loader) gives the same names
         assert ms == [LlamaForCausalLM.convert_name(n) for n in names]
         assert set(ms) == set(convert._target_shapes(cfg))
-    assert all(r.layout == "same" for r in convert.MAPPING)  # no transforms: parity tests prove it
+    assert all(r.layout == "same" for r in mapping.MAPPING)  # no transforms: parity tests prove it
 
 
 # ---------------------------------------------------------------------------------------- round trips
@@ -359,4 +365,4 @@ def test_cli_show_mapping(monkeypatch, capfd):
     code, out = _cli(monkeypatch, capfd, "convert", "hf2ms", "--show-mapping")
     assert code == 0 and "model.layers.{i}.self_attn.q_proj.weight" in out.out and "attention.wq" in out.out
     code, out = _cli(monkeypatch, capfd, "convert", "hf2ms", "--show-mapping", "--json")
-    assert len(json.loads(out.out)["mapping"]) == len(convert.MAPPING)
+    assert len(json.loads(out.out)["mapping"]) == len(mapping.MAPPING)

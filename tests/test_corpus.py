@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from labkit.corpus import SHIPPED_CORPUS, ReadReport, corpus_files, fingerprint, read_documents
+from labkit.data.corpus import SHIPPED_CORPUS, ReadReport, corpus_files, fingerprint, read_documents
 from labkit.errors import LabkitError
 
 

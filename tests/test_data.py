@@ -5,11 +5,13 @@ import threading
 import numpy as np
 import pytest
 
-from labkit import data as D
+from labkit.data import dataset as D
+from labkit.data import bench as data_bench
+from labkit.data import loader
 from labkit.cli import main
-from labkit.corpus import read_documents
+from labkit.data.corpus import read_documents
 from labkit.errors import LabkitError
-from labkit.tokenizer import SHIPPED_TOKENIZER, load
+from labkit.data.tokenizer import SHIPPED_TOKENIZER, load
 
 SEQ = 16
 
@@ -128,30 +130,30 @@ def test_epoch_order_and_content(built, samples):
     n = stats["n_samples"]
     mb = 4
     spe = n // mb
-    got = take(D.make_loader(out, mb, seed=7), spe + 2)  # crosses into epoch 1
+    got = take(loader.make_loader(out, mb, seed=7), spe + 2)  # crosses into epoch 1
     order0 = np.random.default_rng(7).permutation(n)
     order1 = np.random.default_rng(8).permutation(n)
     for t in range(spe):
         np.testing.assert_array_equal(got[t], samples[order0[t * mb:(t + 1) * mb]])
     np.testing.assert_array_equal(got[spe], samples[order1[:mb]])
-    plain = take(D.make_loader(out, mb, seed=7, shuffle=False), 2)
+    plain = take(loader.make_loader(out, mb, seed=7, shuffle=False), 2)
     np.testing.assert_array_equal(np.concatenate(plain), samples[: 2 * mb])
 
 
 def test_data_parallel_union_equals_single_worker(built):
     _, out = built
     b = 3
-    single = take(D.make_loader(out, 2 * b, seed=1), 20)
-    r0 = take(D.make_loader(out, b, seed=1, dp_size=2, dp_rank=0), 20)
-    r1 = take(D.make_loader(out, b, seed=1, dp_size=2, dp_rank=1), 20)
+    single = take(loader.make_loader(out, 2 * b, seed=1), 20)
+    r0 = take(loader.make_loader(out, b, seed=1, dp_size=2, dp_rank=0), 20)
+    r1 = take(loader.make_loader(out, b, seed=1, dp_size=2, dp_rank=1), 20)
     for s, a, c in zip(single, r0, r1):
         np.testing.assert_array_equal(s, np.concatenate([a, c]))
 
 
 def test_accumulation_sees_the_same_samples(built):
     _, out = built
-    big = take(D.make_loader(out, 8, seed=3, accum=1), 6)
-    small = take(D.make_loader(out, 2, seed=3, accum=4), 24)
+    big = take(loader.make_loader(out, 8, seed=3, accum=1), 6)
+    small = take(loader.make_loader(out, 2, seed=3, accum=4), 24)
     for t in range(6):
         np.testing.assert_array_equal(big[t], np.concatenate(small[4 * t:4 * t + 4]))
 
@@ -161,7 +163,7 @@ def test_resume_matches_uninterrupted_without_reading_skipped(built, monkeypatch
     mb, dp, accum = 2, 2, 2
     spe = stats["n_samples"] // (mb * dp * accum)
     k = spe - 1  # resume one step before the epoch ends
-    full = take(D.make_loader(out, mb, seed=5, dp_size=dp, dp_rank=1, accum=accum), (k + 3) * accum)
+    full = take(loader.make_loader(out, mb, seed=5, dp_size=dp, dp_rank=1, accum=accum), (k + 3) * accum)
     import mindspore.dataset as ds
 
     seen = []
@@ -172,17 +174,17 @@ def test_resume_matches_uninterrupted_without_reading_skipped(built, monkeypatch
         return real(indices, *a, **kw)
 
     monkeypatch.setattr(ds, "SubsetSampler", spy)
-    resumed = take(D.make_loader(out, mb, seed=5, dp_size=dp, dp_rank=1, accum=accum, start_step=k), 3 * accum)
+    resumed = take(loader.make_loader(out, mb, seed=5, dp_size=dp, dp_rank=1, accum=accum, start_step=k), 3 * accum)
     for a, b in zip(full[k * accum:], resumed):
         np.testing.assert_array_equal(a, b)
-    skipped = D.rank_indices(stats["n_samples"], mb, seed=5, epoch=0, dp_size=dp, dp_rank=1, accum=accum)[:k]
+    skipped = loader.rank_indices(stats["n_samples"], mb, seed=5, epoch=0, dp_size=dp, dp_rank=1, accum=accum)[:k]
     assert len(seen[0]) == mb * accum and not set(seen[0]) & set(skipped.ravel().tolist())
 
 
 def test_workers_and_prefetch_do_not_change_order(built):
     _, out = built
-    a = take(D.make_loader(out, 4, seed=2, num_parallel_workers=1, prefetch=16), 30)
-    b = take(D.make_loader(out, 4, seed=2, num_parallel_workers=2, prefetch=64), 30)
+    a = take(loader.make_loader(out, 4, seed=2, num_parallel_workers=1, prefetch=16), 30)
+    b = take(loader.make_loader(out, 4, seed=2, num_parallel_workers=2, prefetch=64), 30)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
 
@@ -190,14 +192,14 @@ def test_workers_and_prefetch_do_not_change_order(built):
 def test_loader_refuses_too_few_samples(built):
     stats, out = built
     with pytest.raises(LabkitError, match=f"fewer than one global batch of {stats['n_samples'] + 1}"):
-        D.make_loader(out, stats["n_samples"] + 1, seed=0)
+        loader.make_loader(out, stats["n_samples"] + 1, seed=0)
     with pytest.raises(LabkitError, match="dp_rank"):
-        D.make_loader(out, 2, seed=0, dp_size=2, dp_rank=2)
+        loader.make_loader(out, 2, seed=0, dp_size=2, dp_rank=2)
 
 
 def test_shard_balance_is_exact_for_packed_samples(built):
     stats, out = built
-    r = D.check_shard_balance(out, micro_batch=2, dp_size=2, accum=2, steps=stats["n_samples"] // 8 + 5, seed=0)
+    r = loader.check_shard_balance(out, micro_batch=2, dp_size=2, accum=2, steps=stats["n_samples"] // 8 + 5, seed=0)
     assert r["tokens_per_rank"][0] == r["tokens_per_rank"][1] and r["max_imbalance"] == 0
     assert sum(r["documents_per_rank"]) > 0
 
@@ -251,7 +253,7 @@ def test_cli_build_json(tmp_path, corpus, capfd):
 
 def test_bench_reports_both_pipelines(built, corpus):
     _, out = built
-    r = D.run_bench(corpus=[corpus], seq_len=SEQ, workers=(1, 64), prefetch=(16,), dataset_dir=out)
+    r = data_bench.run_bench(corpus=[corpus], seq_len=SEQ, workers=(1, 64), prefetch=(16,), dataset_dir=out)
     assert {row["pipeline"] for row in r["rows"]} == {"on-the-fly", "MindRecord"}
     assert r["refused_workers"] == [64] and r["ratio_by_workers"][1] > 0
-    assert "ratio MindRecord / on-the-fly" in D.format_table(r)
+    assert "ratio MindRecord / on-the-fly" in data_bench.format_table(r)

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from labkit import launch
+from labkit.launch import launcher as launch
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.devices import DEVICE_PRESETS, Device, device_preset, measure_gemm_peak
+from labkit.parallel.devices import DEVICE_PRESETS, Device, device_preset, measure_gemm_peak
 from labkit.errors import LabkitError
 
 

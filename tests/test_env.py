@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from labkit import env
+from labkit.doctor import env
+from labkit.doctor import registries
 from labkit.paths import ROOT
 
 COMPAT = env.load_compat()
@@ -89,7 +90,7 @@ def test_model_dir_errors_name_the_file_and_the_fix(tmp_path):
     (tmp_path / "notype" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     for name, words in [("missing", "does not exist"), ("empty", "no config.json"), ("bad", "not valid JSON"),
                         ("notype", 'no "model_type"')]:
-        info, problems = env.read_model_dir(tmp_path / name)
+        info, problems = registries.read_model_dir(tmp_path / name)
         assert info is None and words in problems[0]["what"] and problems[0]["fix"]
 
 
@@ -105,23 +106,23 @@ def d(path, model_type, archs, auto=None):
 
 def test_a_name_in_both_libraries_is_normal():
     dirs = [d("a", "llama", ["LlamaForCausalLM"]), d("b", "llama", ["LlamaForCausalLM"])]
-    assert env.check_model_dirs(dirs, HF, MF) == ([], [])
+    assert registries.check_model_dirs(dirs, HF, MF) == ([], [])
     assert dirs[0]["transformers_config"] == dirs[0]["mindformers_config"] == "LlamaConfig"
 
 
 def test_two_dirs_claiming_one_model_type_with_different_architectures_conflict():
-    problems, _ = env.check_model_dirs([d("a", "llama", ["LlamaForCausalLM"]),
+    problems, _ = registries.check_model_dirs([d("a", "llama", ["LlamaForCausalLM"]),
                                         d("b", "llama", ["LlamaForSequenceClassification"])], HF, MF)
     assert len(problems) == 1 and "2 model directories claim model_type 'llama'" in problems[0]["what"]
 
 
 def test_a_model_type_that_resolves_to_another_config_class_is_caught():
-    problems, _ = env.check_model_dirs([d("a", "llama", ["MistralForCausalLM"])], HF, MF)
+    problems, _ = registries.check_model_dirs([d("a", "llama", ["MistralForCausalLM"])], HF, MF)
     assert "expect MistralConfig" in problems[0]["what"] and "same family" in problems[0]["fix"]
 
 
 def test_a_registration_that_would_collide_is_caught_with_the_real_fixes():
-    problems, _ = env.check_model_dirs([d("x", "aimv2", ["AIMv2Model"], "configuration_aimv2.AIMv2Config")],
+    problems, _ = registries.check_model_dirs([d("x", "aimv2", ["AIMv2Model"], "configuration_aimv2.AIMv2Config")],
                                        HF, MF, COMPAT["transformers_native_since"])
     (p,) = problems
     assert "'aimv2' is already used by a Transformers config, pick another name." in p["what"]
@@ -130,12 +131,12 @@ def test_a_registration_that_would_collide_is_caught_with_the_real_fixes():
 
 def test_a_run_time_registration_over_a_native_name_is_reported():
     reg = {**HF, "registered": {"llama": "mine.MyLlamaConfig", "mylm": "mine.MyLMConfig"}}
-    (w,) = env.shadowed_registrations(reg, "transformers")
+    (w,) = registries.shadowed_registrations(reg, "transformers")
     assert "'llama'" in w["what"] and "exist_ok=True" in w["what"]
 
 
 def test_importing_the_module_stays_light():
-    code = ("import sys, labkit.env; heavy = [m for m in ('mindspore', 'mindformers', 'torch', 'transformers') "
+    code = ("import sys, labkit.doctor.env; heavy = [m for m in ('mindspore', 'mindformers', 'torch', 'transformers') "
             "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

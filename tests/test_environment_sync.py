@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from labkit.env import check_environment_sync
+from labkit.doctor.env import check_environment_sync
 from labkit.paths import ROOT
 
 PYPROJECT, ENVIRONMENT = ROOT / "pyproject.toml", ROOT / "environment.yml"

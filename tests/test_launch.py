@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import yaml
 
-from labkit import launch
+from labkit.launch import launcher as launch
+from labkit.launch import supervisor
+from labkit.launch import validate
+from labkit.model import shapes
 from labkit.config import load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.paths import ROOT
@@ -82,44 +85,44 @@ def test_an_old_run_is_not_silently_mixed_in(tmp_path, no_start):
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     with pytest.raises(LabkitError, match="already holds a run") as e:
-        launch.plan("configs/dp2_cpu.yaml", 2, output=out)
+        validate.prepare("configs/dp2_cpu.yaml", 2, output=out)
     assert "--resume" in e.value.fix and "--overwrite" in e.value.fix
-    assert launch.plan("configs/dp2_cpu.yaml", 2, output=out, overwrite=True).output == str(out.resolve())
+    assert validate.prepare("configs/dp2_cpu.yaml", 2, output=out, overwrite=True).output == str(out.resolve())
 
 
 def test_more_than_one_worker_means_data_parallel(tmp_path):
-    pl = launch.plan("configs/tiny_cpu.yaml", 2, output=tmp_path / "r", micro_batch=4)
+    pl = validate.prepare("configs/tiny_cpu.yaml", 2, output=tmp_path / "r", micro_batch=4)
     assert (pl.mode, pl.dp, pl.global_batch, pl.total) == ("data_parallel", 2, 8, 2)
     assert pl.cfg.parallel.parallel_mode == "data_parallel"
     assert Path(pl.dataset).is_absolute() and (Path(pl.dataset) / "stats.json").is_file()
-    assert launch.port_is_free(pl.master_port)
-    one = launch.plan("configs/tiny_cpu.yaml", 1, output=tmp_path / "r")
+    assert validate.port_is_free(pl.master_port)
+    one = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "r")
     assert (one.mode, one.dp, one.global_batch, one.master_port) == ("stand_alone", 1, 8, None)
 
 
 def test_command_single_node_and_multi_node(tmp_path):
-    pl = launch.plan("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517)
-    cmd = launch.command(pl, Path("L.yaml"), Path("logs"))
+    pl = validate.prepare("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517)
+    cmd = validate.command(pl, Path("L.yaml"), Path("logs"))
     assert Path(cmd[0]).name == "msrun" or cmd[1:3] == ["-m", "mindspore.parallel.cluster.run"]
     for flag in ("--worker_num=2", "--local_worker_num=2", "--master_port=29517", "--log_dir=logs", "--join=True"):
         assert flag in cmd
     assert cmd[-7:] == ["python", "-m", "labkit.launch", "train", "--config", "L.yaml", "--json"]
     assert not any(c.startswith("--node_rank") for c in cmd)
 
-    multi = launch.plan("configs/dp2_cpu.yaml", 4, output=tmp_path / "m", nodes=2, node_rank=1,
+    multi = validate.prepare("configs/dp2_cpu.yaml", 4, output=tmp_path / "m", nodes=2, node_rank=1,
                         master_addr="10.1.2.3", master_port=29500, overrides=["train.global_batch=32"])
-    cmd = launch.command(multi, Path("L.yaml"), Path("logs"))
+    cmd = validate.command(multi, Path("L.yaml"), Path("logs"))
     for flag in ("--worker_num=8", "--local_worker_num=4", "--master_addr=10.1.2.3", "--node_rank=1",
                  "--master_port=29500"):
         assert flag in cmd
     assert (multi.dp, multi.global_batch) == (8, 32)
 
-    single = launch.plan("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False)
-    assert launch.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit", "train"]
+    single = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False)
+    assert validate.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit", "train"]
 
 
 def test_workers_get_the_callers_python_first_on_path(tmp_path):
-    env = launch._python_on_path({"PATH": "/usr/bin"}, tmp_path / "shim")
+    env = validate.python_on_path({"PATH": "/usr/bin"}, tmp_path / "shim")
     first = Path(env["PATH"].split(os.pathsep)[0]) / "python"
     out = subprocess.run([str(first), "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
     assert out.stdout.strip() == sys.prefix
@@ -128,7 +131,7 @@ def test_workers_get_the_callers_python_first_on_path(tmp_path):
 def test_grad_shapes_cover_every_parameter():
     for name in ("tiny", "llama2_7b", "llama_100m"):
         cfg = model_preset(name)
-        assert sum(int(np.prod(s)) for s in launch.grad_shapes(cfg)) == cfg.num_params, name
+        assert sum(int(np.prod(s)) for s in shapes.grad_shapes(cfg)) == cfg.num_params, name
 
 
 def test_log_tail_shows_the_traceback_without_framework_chatter(tmp_path):
@@ -137,12 +140,12 @@ def test_log_tail_shows_the_traceback_without_framework_chatter(tmp_path):
                    "train:  50%|5/10\rtrain:  60%|6/10\n"
                    "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: boom\n"
                    "2026 - mindformers[x] - WARNING - noise\n")
-    tail = launch.log_tail(log)
+    tail = supervisor.log_tail(log)
     assert tail.startswith("Traceback") and tail.endswith("RuntimeError: boom")
     log.write_text("[INFO] only chatter\n")
-    assert "ended from outside" in launch.log_tail(log)
+    assert "ended from outside" in supervisor.log_tail(log)
     log.write_text("step\ntrain:  50%|5/10\rtrain:  60%|6/10\n")
-    assert launch.log_tail(log).splitlines()[-1] == "train:  60%|6/10"
+    assert supervisor.log_tail(log).splitlines()[-1] == "train:  60%|6/10"
 
 
 def test_failure_report_names_rank_reason_and_checkpoint():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from labkit.errors import LabkitError
-from labkit.parallel import require_hardware, set_parallel_context, summarize_strategy
+from labkit.parallel.context import require_hardware, set_parallel_context, summarize_strategy
 
 
 @pytest.mark.parametrize("mode", ["semi_auto_parallel", "auto_parallel"])

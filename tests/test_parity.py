@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from labkit import convert, parity
+from labkit.weights import convert
+from labkit.weights import hf_config
+from labkit.weights import parity
 from labkit.errors import LabkitError, LabkitFailure
 
 
@@ -32,7 +34,7 @@ def test_parity_passes(pair):
     assert r["passed"], r
     assert r["max_abs_diff"] <= 1e-3 and r["argmax_agreement"] == 1.0 and r["generation_match"]
     assert len(r["hf_generated"]) == 6 and r["config_diff"] == {}
-    assert r["params"] == convert.read_model_config(ms).num_params
+    assert r["params"] == hf_config.read_model_config(ms).num_params
 
 
 @pytest.mark.slow

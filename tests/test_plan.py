@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from labkit import plan as P
+from labkit.parallel import planner as P
+from labkit.model import shapes
+from labkit.parallel import mindformers_yaml as mf_yaml
+from labkit.parallel import msrun
 from labkit.config import ModelConfig, model_preset
 from labkit.errors import LabkitError
 
@@ -43,7 +46,7 @@ def plan8(seven_b):
 
 def test_llama2_7b_count_matches_mindformers(seven_b):
     """The config's count is exact, and the same as the structure mindformers builds (without weights)."""
-    from labkit.model import build_model, count_parameters
+    from labkit.model.llama import build_model, count_parameters
 
     assert seven_b.num_params == LLAMA2_7B
     counts = P.stage_params(seven_b)["only"]
@@ -79,9 +82,9 @@ def test_activations_follow_korthikanti():
 
 def test_flops_per_token_matches_published(seven_b):
     """torchtitan/PaLM convention for Llama-2-7B at 4096: 46.09 GFLOP per token; full recompute adds a forward."""
-    f = P.flops_per_token(seven_b, 4096)
+    f = shapes.flops_per_token(seven_b, 4096)
     assert f["model"] / 1e9 == pytest.approx(46.09, abs=0.01)
-    full = P.flops_per_token(seven_b, 4096, "full")
+    full = shapes.flops_per_token(seven_b, 4096, "full")
     assert 0.30 < full["hardware"] / full["model"] - 1 < 0.34
 
 
@@ -136,10 +139,10 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
     """The YAML the planner writes builds mindformers' own config objects and the 7B structure (offline)."""
     from mindformers.modules.transformer.transformer import TransformerOpParallelConfig, TransformerRecomputeConfig
 
-    from labkit.model import build_model, count_parameters
+    from labkit.model.llama import build_model, count_parameters
 
     pick = next(r for r in plan8["strategies"] if r["mp"] == 2 and r["pp"] == 2 and r["recompute"] == "selective")
-    y = yaml.safe_load(P.mindformers_parallel_yaml(pick))
+    y = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick))
     assert y["parallel"]["parallel_mode"] == 1 and y["parallel_config"]["pipeline_stage"] == 2
     assert y["parallel_config"]["micro_batch_num"] == pick["accum"] and y["runner_config"]["batch_size"] == 1
     assert y["recompute_config"] == {**y["recompute_config"], "recompute": False, "select_recompute": True}
@@ -147,18 +150,18 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
                                      **y["parallel_config"])
     assert (pc.data_parallel, pc.model_parallel, pc.pipeline_stage) == (pick["dp"], 2, 2)
     assert count_parameters(build_model(seven_b, seq_length=4096, no_init=True, parallel_config=pc)) == LLAMA2_7B
-    auto = yaml.safe_load(P.mindformers_parallel_yaml(pick, parallel_mode="auto_parallel",
+    auto = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick, parallel_mode="auto_parallel",
                                                        search_mode="recursive_programming"))
     assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
 
 
 def test_msrun_command(plan8):
     best = plan8["best"]
-    assert P.msrun_command(best).startswith("msrun --worker_num=8 --local_worker_num=8 --master_port=8118")
-    two = P.msrun_command({**best, "dp": 16}, nodes=2, node_rank=1, master_addr="10.0.0.1")
+    assert msrun.msrun_command(best).startswith("msrun --worker_num=8 --local_worker_num=8 --master_port=8118")
+    two = msrun.msrun_command({**best, "dp": 16}, nodes=2, node_rank=1, master_addr="10.0.0.1")
     assert "--worker_num=16 --local_worker_num=8 --master_addr=10.0.0.1 --node_rank=1" in two
     with pytest.raises(LabkitError):
-        P.msrun_command(best, nodes=3)
+        msrun.msrun_command(best, nodes=3)
 
 
 def test_cli_json_8_and_1_devices():

@@ -1,11 +1,10 @@
 """Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill."""
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
-from labkit import pretrain
+from labkit.course import pretrain
 from labkit.config import load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.paths import NOTEBOOKS
@@ -93,7 +92,7 @@ def test_cpu_runs_resolve_with_measured_peak_and_check_the_output_folder(tmp_pat
     assert run.can_train and run.cfg.parallel.parallel_mode == "data_parallel"
     assert (run.cfg.train.micro_batch, run.cfg.train.accum, run.cfg.train.global_batch) == (4, 1, 8)
     assert run.output_dir == tmp_path / "out"  # relative to where the user runs
-    assert run.device_memory_gib < pretrain._host_ram_gib()  # the host's RAM is shared by the workers
+    assert run.device_memory_gib < pretrain.host_ram_gib()  # the host's RAM is shared by the workers
     e = error_of(output_dir="out", resume=True)
     assert "no complete checkpoint" in e.what
     (tmp_path / "out").mkdir()
@@ -174,7 +173,7 @@ def test_figure_and_status_line():
 
 
 def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
-    from labkit import widgets
+    from labkit.course import widgets
 
     monkeypatch.delenv("CI", raising=False)
     ns = {"preset": "llama2_7b", "dp": None}
@@ -192,7 +191,7 @@ def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
 
 
 def test_widget_form_is_off_unless_asked_and_headless(monkeypatch, capsys):
-    from labkit import widgets
+    from labkit.course import widgets
 
     assert widgets.parameter_form({}, enabled=False) is None
     monkeypatch.setenv("LABKIT_HEADLESS", "1")

@@ -5,7 +5,7 @@ import json
 import nbformat
 import pytest
 
-from labkit import runner
+from labkit.course import runner
 from labkit.errors import LabkitError
 
 
@@ -19,7 +19,7 @@ def notebook(path, params: str | None, *cells: str):
     nbformat.write(nb, str(path))
 
 
-RECORD = "from labkit import nb\nimport os\nnb.record('steps', steps)\nnb.record('caller', os.environ.get('LABKIT_CALLER_CWD'))"
+RECORD = "from labkit.course import nb\nimport os\nnb.record('steps', steps)\nnb.record('caller', os.environ.get('LABKIT_CALLER_CWD'))"
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def books(tmp_path, monkeypatch):
     folder.mkdir()
     notebook(folder / "00_first.ipynb", "steps = 1  # steps\nname = 'a'  # a name", RECORD)
     notebook(folder / "01_plain.ipynb", None, "x = 1")
-    notebook(folder / "02_other.ipynb", "lr = 0.1  # learning rate", "from labkit import nb\nnb.record('lr', lr)")
+    notebook(folder / "02_other.ipynb", "lr = 0.1  # learning rate", "from labkit.course import nb\nnb.record('lr', lr)")
     notebook(folder / "03_fails.ipynb", "steps = 1  # steps", "y = 2", "raise ValueError('boom')")
     monkeypatch.setattr(runner, "NOTEBOOKS", folder)
     return folder

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import yaml
 
-from labkit import tokenizer as T
+from labkit.data import tokenizer as T
 from labkit.cli import main
-from labkit.corpus import read_documents
+from labkit.data.corpus import read_documents
 from labkit.errors import LabkitError
 
 EDGE = ["Hello world", " leading space", "two  spaces", "trailing ", "", "\n", "a\nb\n\nc", "Hello</s> there",

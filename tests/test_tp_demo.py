@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.tp_demo import (bubble_fraction, peak_in_flight, pipeline_schedule, run_tp_demo, simulated_bubble)
+from labkit.course.tp_demo import bubble_fraction, peak_in_flight, pipeline_schedule, run_tp_demo, simulated_bubble
 
 
 @pytest.mark.slow

@@ -4,12 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from labkit import checkpoint
+from labkit.training import checkpoint
 from labkit.config import load_run_config
 from labkit.errors import LabkitError, LabkitFailure
-from labkit.model import llama_config_kwargs
+from labkit.model.llama import llama_config_kwargs
 from labkit.config import model_preset
-from labkit.train import check_batch, lr_at, parse_recompute
+from labkit.training.world import check_batch
+from labkit.training.schedule import lr_at
+from labkit.config import parse_recompute
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_losses.json"
 
@@ -101,7 +103,7 @@ def _weights(out, step=None):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """4 uninterrupted steps at micro-batch 8: the reference of the resume, golden and accumulation checks."""
-    from labkit.train import train
+    from labkit.training.trainer import train
 
     out = tmp_path_factory.mktemp("straight")
     return out, train(cfg(out, "train.steps=4", "train.micro_batch=8", "train.accum=1"))
@@ -109,7 +111,7 @@ def straight(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_continues_exactly_and_matches_the_golden_losses(tmp_path, straight):
-    from labkit.train import train
+    from labkit.training.trainer import train
 
     a_dir, a_summary = straight
     train(cfg(tmp_path / "b", "train.steps=2"))
@@ -127,7 +129,7 @@ def test_resume_continues_exactly_and_matches_the_golden_losses(tmp_path, straig
 
 @pytest.mark.slow
 def test_accumulation_equals_the_big_batch(tmp_path, straight):
-    from labkit.train import train
+    from labkit.training.trainer import train
 
     train(cfg(tmp_path / "acc", "train.steps=4", "train.micro_batch=2", "train.accum=4"))
     big, acc = _losses(straight[0]), _losses(tmp_path / "acc")
@@ -141,7 +143,7 @@ def test_accumulation_equals_the_big_batch(tmp_path, straight):
 
 @pytest.mark.slow
 def test_a_too_high_learning_rate_is_caught_with_the_step_and_causes(tmp_path):
-    from labkit.train import train
+    from labkit.training.trainer import train
 
     with pytest.raises(LabkitFailure, match=r"step \d+: loss .* not finite") as e:
         train(cfg(tmp_path, "train.steps=20", "train.lr=1e4", "train.min_lr=0", "train.warmup_steps=0",

@@ -1,0 +1,48 @@
+"""Small helpers every notebook calls first: quiet logs, a run folder, checks that fail loudly."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from labkit.paths import RUNS
+
+
+def setup(name: str, output_dir: str | os.PathLike | None = None) -> Path:
+    """Quiet MindSpore/mindformers (logs go under the run folder), make and return the run folder.
+
+    `output_dir=None` gives runs/notebooks/<name> under the lab root, whatever the working directory."""
+    run_dir = Path(output_dir) if output_dir else RUNS / "notebooks" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("GLOG_v", "3")
+    os.environ.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
+    os.environ.setdefault("TQDM_MININTERVAL", "5")
+    return run_dir
+
+
+def headless() -> bool:
+    """True under papermill/nbval/CI, where widgets have no front end."""
+    return bool(os.environ.get("CI") or os.environ.get("PAPERMILL_INPUT_PATH") or os.environ.get("LABKIT_HEADLESS"))
+
+
+def check(condition: bool, claim: str) -> None:
+    """The 'Check / 验证' cells: print the claim when it holds, fail the notebook when it does not."""
+    if not condition:
+        raise AssertionError(f"check failed: {claim}")
+    print(f"✓ {claim}")
+
+
+def record(name: str, value) -> None:
+    """Record a key figure for `labkit run`'s summary page (a no-op outside `labkit run`)."""
+    import json
+
+    from labkit.course.runner import FIGURES_ENV
+
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    p = Path(path)
+    data = json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
+    data[name] = value
+    from labkit.io import atomic_write_text
+
+    atomic_write_text(p, json.dumps(data, ensure_ascii=False, default=str))

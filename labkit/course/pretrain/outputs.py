@@ -1,0 +1,156 @@
+"""What a resolved run writes before anything starts: run.yaml (labkit), mindformers.yaml (the same run for
+mindformers' run_mindformer.py), plan.json and launch.sh with the command for each node."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from labkit.io import atomic_write_text
+from labkit.course.pretrain.params import DEFAULTS
+from labkit.course.pretrain.runspec import PretrainRun, recompute_fraction
+
+
+def layout_table(run: PretrainRun, top: int = 8):
+    """The chosen layout and the planner's next best ones as a DataFrame."""
+    import pandas as pd
+
+    rows = [run.strategy] + run.alternatives[:top - 1]
+    return pd.DataFrame([{"chosen": r is run.strategy, "dp": r["dp"], "mp": r["mp"], "pp": r["pp"],
+                          "micro_batch": r["micro_batch"], "accum": r["accum"], "recompute": r["recompute"],
+                          "optimizer_shard": r["optimizer_shard"], "GiB/device": r["memory_gib"]["total"],
+                          "fits": r["fits"], "s/step": round(r["step_time_s"], 3),
+                          "tokens/s/device": round(r["tokens_per_s_per_device"]), "MFU": round(r["mfu"], 3)}
+                         for r in rows])
+
+
+def stage_recompute_counts(spec: str, num_layers: int, pp: int) -> list[int]:
+    """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
+    each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
+    other n layers of the stage, so `last:16` becomes [16] with one stage."""
+    from labkit.config import parse_recompute
+
+    per = num_layers // pp
+    idx = parse_recompute(spec, num_layers)
+    return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
+
+
+def mindformers_yaml(run: PretrainRun) -> str:
+    """The same run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
+    available in the installed mindformers 1.9.0)."""
+    import yaml
+
+    from labkit.parallel import mindformers_yaml as mf_yaml
+    from labkit.model.llama import llama_config_kwargs
+    from labkit.config import AMP_LEVELS
+
+    c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
+    frac = recompute_fraction(t.recompute, run.model.num_layers)
+    mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
+    par = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(
+        {**s, "recompute": "full" if frac == 1 else "none"}, parallel_mode=mode, search_mode=p.search_mode))
+    if 0 < frac < 1:
+        par["recompute_config"]["recompute"] = stage_recompute_counts(t.recompute, run.model.num_layers, p.pp)
+    par["use_parallel"] = run.devices > 1
+    dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": c.data.dataset or "", "shuffle": c.data.shuffle},
+               "input_columns": ["input_ids"], "num_parallel_workers": c.data.num_parallel_workers,
+               "python_multiprocessing": False, "drop_remainder": True, "batch_size": t.micro_batch, "repeat": 1,
+               "numa_enable": False, "prefetch_size": c.data.prefetch}
+    scale = 1.0 if t.amp_level == "O0" else {"type": "DynamicLossScaleUpdateCell", "loss_scale_value": t.loss_scale,
+                                              "scale_factor": t.scale_factor, "scale_window": t.scale_window}
+    context = {"mode": 0 if t.mode == "graph" else 1, "device_target": p.device_target, "max_call_depth": 10000,
+               "save_graphs": False, "device_id": 0}
+    if p.device_target != "CPU":
+        context["max_device_memory"] = f"{max(1.0, run.device_memory_gib - run.device.overhead_gib):g}GB"
+    doc = {
+        "seed": t.seed, "output_dir": "./output", "run_mode": "train", "load_checkpoint": t.init_checkpoint or "",
+        "auto_trans_ckpt": False, "resume_training": run.resume, "src_strategy_path_or_dir": "",
+        "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": run.model.name},
+        "runner_config": {"epochs": 1, "batch_size": t.micro_batch, "sink_mode": True, "sink_size": 1,
+                          **par.pop("runner_config")},
+        "optimizer": {"type": "AdamW", "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay},
+        "lr_schedule": {"type": "CosineWithWarmUpLR", "learning_rate": t.lr, "lr_end": t.min_lr,
+                        "warmup_steps": t.warmup_steps, "total_steps": t.decay_steps},
+        "train_dataset": dataset,
+        "train_dataset_task": {"type": "CausalLanguageModelDataset", "dataset_config": dataset},
+        **par,
+        "context": context,
+        "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
+            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch, device_target=p.device_target,
+            **AMP_LEVELS[t.amp_level])}, "arch": {"type": "LlamaForCausalLM"}},
+        "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
+                      "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
+                                    "vocab_file": str(Path(c.data.tokenizer) / "tokenizer.model")}},
+        "runner_wrapper": {"type": "MFTrainOneStepCell", "scale_sense": scale, "use_clip_grad": t.grad_clip > 0,
+                           "max_grad_norm": t.grad_clip or 1.0},
+        "callbacks": [{"type": "MFLossMonitor"},
+                      {"type": "CheckpointMonitor", "prefix": run.model.name, "integrated_save": False,
+                       "save_checkpoint_steps": t.save_every or t.steps, "keep_checkpoint_max": t.keep_checkpoints}],
+    }
+    head = (f"# mindformers run YAML for the run in run.yaml beside this file (written by labkit.course.pretrain).\n"
+            f"# Start: see launch.sh. Differences from labkit's own loop: mindformers trains `epochs` passes over\n"
+            f"# the dataset (no step limit: choose epochs x samples / global batch {t.global_batch} ~ steps "
+            f"{t.steps});\n# recompute [n] recomputes the first n layers of each pipeline stage (labkit: "
+            f"{t.recompute!r}, the same memory).\n")
+    return head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+
+
+def commands(run: PretrainRun) -> dict:
+    """The exact commands for this run: labkit launch per node, the msrun line it runs, mindformers', papermill's."""
+    from labkit.launch.validate import PreparedLaunch, command
+
+    out, c = run.output_dir, run.cfg
+    port = run.master_port or 8118
+    addr = run.master_addr or ("NODE0_HOST" if run.nodes > 1 else "127.0.0.1")
+    labkit = []
+    for r in range(run.nodes):
+        line = ["labkit", "launch", "--workers", str(run.workers), "--config", str(out / "run.yaml"),
+                "--output", str(out)]
+        if run.nodes > 1:
+            line += ["--nodes", str(run.nodes), "--node-rank", str(r), "--master-addr", addr, "--master-port",
+                     str(port)]
+        if run.resume:
+            line.append("--resume")
+        labkit.append(shlex.join(line))
+    pl = PreparedLaunch(cfg=c, workers=run.workers, nodes=run.nodes, node_rank=run.node_rank, total=run.devices,
+                    mode=c.parallel.parallel_mode, dp=c.parallel.dp, global_batch=c.train.global_batch,
+                    dataset=c.data.dataset or "", output=str(out), master_addr=addr if run.devices > 1 else None,
+                    master_port=port if run.devices > 1 else None, resume=run.resume, start_step=0)
+    msrun = shlex.join(command(pl, out / "launch.yaml", out / "logs"))
+    task = (f"run_mindformer.py --config {out / 'mindformers.yaml'} --train_dataset_dir "
+            f"{c.data.dataset or 'DATASET_DIR'} --use_parallel {run.devices > 1} --run_mode train")
+    tail = (f" {run.devices}" if run.nodes == 1 else
+            f" {run.devices} {run.workers} {addr} {port} NODE_RANK output/msrun_log False 300")
+    mindformers = f'bash scripts/msrun_launcher.sh "{task}"{tail}' if run.devices > 1 else f"python {task}"
+    pm = ["papermill", "notebooks/07_pretrain.ipynb", str(out / "07_pretrain.ipynb"), "-k", "python3"]
+    for k, v in run.params.items():
+        if v is not None and v != DEFAULTS[k] and k != "interactive":
+            pm += ["-p", k, str(v)]
+    resume = labkit[run.node_rank].replace(" --resume", "") + " --resume --steps N"
+    return {"labkit_launch": labkit, "msrun": msrun, "mindformers": mindformers, "papermill": shlex.join(pm),
+            "resume": resume}
+
+
+def write_configs(run: PretrainRun) -> dict[str, Path]:
+    """run.yaml, mindformers.yaml, plan.json and launch.sh in output_dir (each written atomically)."""
+    from labkit.config import dump_run_config
+
+    out = run.output_dir
+    cmds = commands(run)
+    given = {k: v for k, v in run.params.items() if v is not None and v != DEFAULTS[k]}
+    files = {
+        "run.yaml": f"# labkit run config written by notebook 07 (preset {run.preset}, parameters {given}).\n"
+                    f"# Start it with: {cmds['labkit_launch'][run.node_rank]}\n" + dump_run_config(run.cfg),
+        "mindformers.yaml": mindformers_yaml(run),
+        "plan.json": json.dumps({"preset": run.preset, "devices": run.devices, "nodes": run.nodes,
+                                 "device": run.device.name, "device_memory_gib": run.device_memory_gib,
+                                 "strategy": run.strategy, "alternatives": run.alternatives[:10],
+                                 "can_train_here": run.can_train, "why_not": run.why_not}, indent=1, default=str),
+        "launch.sh": "\n".join(
+            ["#!/bin/sh", f"# Commands for this run ({run.devices} devices on {run.nodes} node(s)).", "",
+             "# labkit (what notebook 07 runs), one line per node:"] + cmds["labkit_launch"] +
+            ["", "# the command labkit launch runs on this node:", "# " + cmds["msrun"], "",
+             "# the same run with mindformers' own launcher (from a mindformers checkout):", "# " + cmds["mindformers"],
+             "", "# this notebook again, e.g. on a cluster:", "# " + cmds["papermill"], "",
+             "# continue after an interruption:", "# " + cmds["resume"], ""]),
+    }
+    return {name: atomic_write_text(out / name, text) for name, text in files.items()}

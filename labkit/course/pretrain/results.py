@@ -1,0 +1,159 @@
+"""After (or instead of) the run: final figures and how to resume, the model's shapes proven without weights, and
+the two Llama-2-7B recipes compared by the planner."""
+from __future__ import annotations
+
+import json
+import math
+from labkit.config import load_run_config
+from labkit.errors import LabkitError
+from labkit.course.pretrain.runspec import PretrainRun, estimate
+from labkit.course.pretrain.params import SEED_AS_WRITTEN
+from labkit.course.pretrain.outputs import commands, write_configs
+from labkit.course.pretrain.follow import figure_png
+
+
+def expected_shapes(model) -> dict[str, tuple]:
+    """mindformers parameter names and shapes the model config implies: HF's canonical shapes renamed by the
+    conversion mapping (labkit.weights.convert), an independent derivation of what mindformers builds."""
+    from labkit.model.shapes import expected_hf_shapes
+    from labkit.weights.mapping import hf_to_ms
+
+    return {hf_to_ms(k): v for k, v in expected_hf_shapes(model).items()}
+
+
+def prove_shapes(run: PretrainRun) -> dict:
+    """Build the model from the written mindformers.yaml without allocating weights (mindformers' own
+    MindFormerConfig + LlamaConfig + LlamaForCausalLM) and compare every name and shape with expected_shapes."""
+    import time
+
+    from labkit.model.llama import count_parameters
+    from labkit.logs import quiet_mindformers
+
+    quiet_mindformers()
+    import mindspore as ms
+    from mindformers import LlamaConfig, LlamaForCausalLM
+    from mindformers.tools.register import MindFormerConfig
+
+    path = run.output_dir / "mindformers.yaml"
+    if not path.exists():
+        write_configs(run)
+    mc = dict(MindFormerConfig(str(path)).model.model_config)
+    mc.pop("type")
+    start = time.perf_counter()
+    with ms.nn.utils.no_init_parameters():
+        model = LlamaForCausalLM(config=LlamaConfig(**mc))
+    built = {n: tuple(p.shape) for n, p in model.parameters_and_names()}
+    want = expected_shapes(run.model)
+    wrong = {n: (built.get(n), s) for n, s in want.items() if built.get(n) != s}
+    return {"parameters": count_parameters(model), "expected": run.model.num_params, "tensors": len(built),
+            "mismatched": wrong, "unexpected": sorted(set(built) - set(want)),
+            "seconds": round(time.perf_counter() - start, 2), "from": str(path)}
+
+
+def checkpoint_shapes(run: PretrainRun) -> dict:
+    """The trained run's newest checkpoint against expected_shapes: what the workers really built and saved."""
+    from labkit.training import checkpoint
+
+    ck = checkpoint.latest(run.output_dir)
+    if ck is None:
+        raise LabkitError(f"no checkpoint in {run.output_dir}", "train first (the launch cell)")
+    saved = {n: tuple(w.shape) for n, w in checkpoint.load_weights(ck).items()}
+    want = expected_shapes(run.model)
+    wrong = {n: (saved.get(n), s) for n, s in want.items() if saved.get(n) != s}
+    return {"checkpoint": str(ck), "parameters": sum(math.prod(saved[n]) for n in want if n in saved),
+            "expected": run.model.num_params, "tensors": len(want), "mismatched": wrong}
+
+
+def summarize(run: PretrainRun, result=None) -> dict:
+    """What the run did: final metrics, the static figure, checkpoints and how to resume; or, when nothing was
+    trained here, the predicted figures and the commands. Key figures are recorded for `labkit run`."""
+    from labkit.training import checkpoint
+    from labkit.course import nb
+    from labkit.training.metrics import health, read_metrics, steady
+
+    cmds = commands(run)
+    s = run.strategy
+    out = {"trained": result is not None, "preset": run.preset, "devices": run.devices,
+           "predicted_tokens_per_s_per_device": round(s["tokens_per_s_per_device"], 1),
+           "predicted_mfu": round(s["mfu"], 3), "memory_gib_per_device": s["memory_gib"]["total"],
+           "files": sorted(p.name for p in run.output_dir.glob("*") if p.is_file()), "commands": cmds}
+    if result is None:
+        tokens = run.global_batch * run.cfg.data.seq_len * run.cfg.train.steps
+        out.update(trained_here=False, why_not=run.why_not,
+                   predicted_days=round(run.cfg.train.steps * s["step_time_s"] / 86400, 1), tokens=tokens)
+        print(f"NOT TRAINED on this machine: {run.why_not}.\nWhat was done: the plan was validated "
+              f"({s['memory_gib']['total']:.1f} of {run.device_memory_gib:g} GiB per device), the configs were "
+              f"written to {run.output_dir}, the model was built without weights to check its shapes.\n"
+              f"Predicted on {run.devices} x {run.device.name}: {s['step_time_s']:.2f} s/step, "
+              f"{s['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {s['mfu']:.0%}; {run.cfg.train.steps:,} "
+              f"steps ({tokens / 1e9:,.1f}B tokens) in about {out['predicted_days']} days.\n"
+              f"To train, on each node ({run.nodes}):\n  " + "\n  ".join(cmds["labkit_launch"]))
+        nb.record("07 trained", False)
+        nb.record("07 predicted MFU", f"{s['mfu']:.0%}")
+        return out
+    rows = read_metrics(run.output_dir)
+    ck = checkpoint.list_checkpoints(run.output_dir)
+    out.update(trained_here=True, steps=rows[-1]["step"], first_loss=rows[0]["loss"], final_loss=rows[-1]["loss"],
+               tokens_per_s=steady(rows, "tokens_per_s"), mfu=steady(rows, "mfu"),
+               peak_mem_mb=max(r["peak_mem_mb"] for r in rows), health=health(rows, run.cfg.train.grad_norm_alert),
+               checkpoints=[str(p) for p in ck], seconds=round(result.seconds, 1))
+    try:
+        from IPython.display import Image, display
+
+        display(Image(data=figure_png(rows, f"{run.preset}: {run.devices} worker(s), global batch "
+                                            f"{run.global_batch}")))
+    except ImportError:
+        pass
+    print(f"trained steps {rows[0]['step']}..{out['steps']} in {out['seconds']} s on {run.devices} worker(s): loss "
+          f"{out['first_loss']:.4f} -> {out['final_loss']:.4f}; {out['tokens_per_s']:,.0f} tokens/s (after step 1), "
+          f"MFU {out['mfu']:.1%} of this machine's measured GEMM peak; peak memory {out['peak_mem_mb']:,.0f} MB "
+          f"(rank 0)\nhealth: {out['health']['verdict']}\ncheckpoints: " + ", ".join(p.name for p in ck) +
+          f"\nresume: {cmds['resume']}  (or run this notebook with -p output_dir {run.output_dir} -p resume True "
+          f"-p steps N)")
+    nb.record("07 final loss", round(out["final_loss"], 3))
+    nb.record("07 tokens/s", round(out["tokens_per_s"]))
+    nb.record("07 MFU", f"{out['mfu']:.1%}")
+    return out
+
+
+def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices: int = 8,
+               device: str = "atlas_800t_a2", memory_gib: float | None = None, tokens: float = 100e9) -> dict:
+    """One shipped recipe judged by the planner on `devices` x `device`, as the config says (no search)."""
+    from labkit.parallel.devices import device_preset
+    from labkit.model.llama import backend_flags
+
+    cfg = load_run_config(config, [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()])
+    model, t, p = cfg.model_config(), cfg.train, cfg.parallel
+    dev = device_preset(device)
+    memory = memory_gib or dev.memory_gib
+    dp = p.dp or devices // (p.mp * p.pp)
+    row = estimate(model, dev, memory, devices=devices, nodes=max(1, devices // dev.devices_per_node),
+                   seq_len=cfg.data.seq_len, dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
+                   recompute=t.recompute, optimizer_shard=p.optimizer_shard, amp_level=t.amp_level,
+                   flash_attention=backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention)
+    m = row["memory_gib"]
+    tokens_per_step = t.micro_batch * dp * t.accum * cfg.data.seq_len
+    return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",
+            "global batch": f"{t.micro_batch} x {dp} x {t.accum} = {t.micro_batch * dp * t.accum}",
+            "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": t.recompute,
+            "optimizer_shard": p.optimizer_shard, "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
+            "model states GiB": round(m["weights"] + m["gradients"] + m["optimizer"], 1),
+            "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row["fits"],
+            "step s": round(row["step_time_s"], 2), "tokens/s/device": round(row["tokens_per_s_per_device"]),
+            "MFU": round(row["mfu"], 3),
+            f"days for {tokens / 1e9:g}B tokens": round(tokens / row["tokens_per_s"] / 86400, 1)}
+
+
+def compare_recipes(tokens: float = 100e9) -> list[dict]:
+    """mindformers' recipe and the seeds' (as written, the two changes, as shipped) on the lab's 7B hardware
+    (8 x Atlas 800T A2, 64 GiB), and the seeds' on their own (8 x A100 80 GB, no flash attention on GPU)."""
+    seed, mb4 = "configs/llama2_7b_seed.yaml", {"train.micro_batch": 4, "train.accum": 16}
+    gpu = {"parallel.device_target": "GPU"}
+    return [recipe_row("mindformers", "configs/llama2_7b_mindformers.yaml", tokens=tokens),
+            recipe_row("seed as written", seed, SEED_AS_WRITTEN, tokens=tokens),
+            recipe_row("seed + optimizer_shard", seed, {**mb4}, tokens=tokens),
+            recipe_row("seed + optimizer_shard + recompute all", seed, {**mb4, "train.recompute": "all"},
+                       tokens=tokens),
+            recipe_row("seed as shipped", seed, tokens=tokens),
+            recipe_row("seed as written", seed, {**SEED_AS_WRITTEN, **gpu}, tokens=tokens, device="a100_80g"),
+            recipe_row("seed as shipped", seed, gpu, tokens=tokens, device="a100_80g")]

@@ -1,0 +1,425 @@
+"""Notebook 07's logic: one parameterised pretraining run, from the tiny CPU smoke run to Llama-2-7B on 8 cards.
+
+    run = resolve(globals())   the notebook's parameters -> a validated PretrainRun, or a LabkitError naming the
+                               parameter and the fix: layout (dp x mp x pp = devices), batch arithmetic
+                               (micro_batch x dp x accum = global_batch), memory per the planner, what the device
+                               target can run, the output folder and the files a run reads
+    write_configs(run)         run.yaml (labkit), mindformers.yaml (the same run for mindformers'
+                               run_mindformer.py), plan.json and launch.sh (the commands, per node) into output_dir
+    launch(run)                `labkit launch` with a live view of loss, tokens/s, MFU and memory (metrics.jsonl)
+    summarize(run, result)     final figures, checkpoints, how to resume; or, without devices, what was not done
+    prove_shapes(run)          the model built from mindformers.yaml without weights: every name and shape checked
+
+Parameters are the config fields' own names (PARAMETERS: one glossary for YAML, CLI, papermill and widgets).
+A parameter left None takes the preset's config value; dp/mp/pp left None are chosen by the planner
+(labkit.parallel.planner), which also judges memory: a layout that does not fit stops the notebook before anything starts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, to_dict
+from labkit.errors import LabkitError
+from labkit.paths import RUNS, lab_path
+from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
+
+
+@dataclass
+class PretrainRun:
+    preset: str
+    cfg: RunConfig  # the complete run (output_dir absolute); what run.yaml holds
+    model: object  # labkit.config.ModelConfig
+    device: object  # labkit.parallel.devices.Device the planner used
+    device_memory_gib: float
+    devices: int
+    nodes: int
+    workers: int  # devices on this node
+    node_rank: int
+    master_addr: str | None
+    master_port: int | None
+    strategy: dict  # the planner's row for the chosen layout (memory_gib, step_time_s, tokens_per_s, mfu, fits)
+    alternatives: list  # other layouts the planner judged, best first
+    can_train: bool  # the devices are here
+    why_not: str | None  # why this machine does not train
+    output_dir: Path
+    resume: bool = False
+    overwrite: bool = False
+    params: dict = field(default_factory=dict)  # the parameters as given
+    sources: dict = field(default_factory=dict)  # parameter -> where its value came from
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.train.global_batch
+
+    def describe(self) -> str:
+        t, p, s = self.cfg.train, self.cfg.parallel, self.strategy
+        m = s["memory_gib"]
+        lines = [f"preset {self.preset}: {self.model.name}, {self.model.num_params:,} parameters; "
+                 f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
+                 f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
+                 f"layout: dp {p.dp} x mp {p.mp} x pp {p.pp} = {p.dp * p.mp * p.pp} devices "
+                 f"({p.parallel_mode}, optimizer_shard {p.optimizer_shard})",
+                 f"batch: micro_batch {t.micro_batch} x dp {p.dp} x accum {t.accum} = global_batch "
+                 f"{t.global_batch} samples x {self.cfg.data.seq_len} tokens",
+                 f"memory per device (planner): {m['total']:.1f} of {self.device_memory_gib:g} GiB = weights "
+                 f"{m['weights']:.1f} + gradients {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + "
+                 f"activations {m['activations']:.2f} + overhead {m['overhead']:.1f} -> "
+                 + ("fits" if s["fits"] else "DOES NOT FIT"),
+                 f"predicted: {s['step_time_s']:.3g} s/step, {s['tokens_per_s_per_device']:,.0f} tokens/s per "
+                 f"device, MFU {s['mfu']:.0%}",
+                 f"output: {self.output_dir}",
+                 "will train here" if self.can_train else f"plan only, no training here: {self.why_not}"]
+        derived = [f"  {k} = {getattr_dotted(self.cfg, PARAMS[k].field) if PARAMS[k].field else v[0]}  ({v[1]})"
+                   for k, v in self.sources.items() if v[1] != "parameter"]
+        return "\n".join(lines + ["where values came from (parameters left None):"] + derived)
+
+
+def getattr_dotted(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------- resolving
+
+
+def _typed(name: str, value):
+    import typing
+
+    tp = eval(PARAMS[name].type, {"Optional": typing.Optional, "int": int, "float": float, "str": str, "bool": bool})
+    try:
+        return coerce(value, tp, name)
+    except LabkitError as e:
+        raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type}") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _caller_base() -> Path:
+    """Where the user runs: papermill's kernel cwd, or the folder `labkit run` was called from."""
+    from labkit.course.runner import CALLER_ENV
+
+    return Path(os.environ.get(CALLER_ENV) or os.getcwd())
+
+
+def _user_path(p: str) -> Path:
+    """A user path: absolute, relative to the caller, or a lab path (configs/, data/, runs/) from the lab root."""
+    path = Path(p).expanduser()
+    if path.is_absolute():
+        return path
+    mine = _caller_base() / path
+    if mine.exists():
+        return mine.resolve()
+    lab = lab_path(p)
+    return lab.resolve() if lab.exists() else mine
+
+
+def recompute_fraction(spec: str, num_layers: int) -> float:
+    from labkit.config import parse_recompute
+
+    return len(parse_recompute(spec, num_layers)) / num_layers
+
+
+def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_len: int, dp: int, mp: int,
+             pp: int, micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, amp_level: str,
+             flash_attention: bool) -> dict:
+    """The planner's row for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
+    planner's `none` and `full` rows weighted by the fraction of layers recomputed (activations are per layer)."""
+    from labkit.parallel import planner
+
+    precision, master = AMP_PRECISION[amp_level]
+    frac = recompute_fraction(recompute, model.num_layers)
+    rows = {}
+    for rc in {"none" if frac < 1 else "full", "full" if frac > 0 else "none"}:
+        res = planner.plan(model, devices, memory_gib, device=device, seq_len=seq_len,
+                           global_batch=micro_batch * dp * accum, precision=precision, master_weights=master,
+                           nodes=nodes, flash_attention=flash_attention,
+                           constraints=dict(dp=dp, mp=mp, pp=pp, micro_batch=micro_batch, accum=accum, recompute=rc,
+                                            optimizer_shard=optimizer_shard))
+        if not res["strategies"]:
+            raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
+                              + ("; ".join(res["skipped"]) or "no valid strategy"))
+        rows[rc] = res["strategies"][0]
+    lo, hi = rows.get("none", rows.get("full")), rows.get("full", rows.get("none"))
+    mix = lambda a, b: a + (b - a) * frac  # noqa: E731
+    mem = {k: round(mix(lo["memory_gib"][k], hi["memory_gib"][k]), 3) for k in lo["memory_gib"]}
+    step = mix(lo["step_time_s"], hi["step_time_s"])
+    tokens = micro_batch * dp * accum * seq_len
+    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": recompute,
+           "optimizer_shard": optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
+           "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
+           "fits": mem["total"] <= memory_gib}
+    if not row["fits"]:
+        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
+                          f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
+    return row
+
+
+def _batch(g_fixed, mb_param, accum_param, mb_config: int, dp: int):
+    """(micro_batch, accum, global_batch, None) for one dp, or (.., reason) when the arithmetic cannot work."""
+    if g_fixed is None:  # micro_batch and accum both given: the global batch follows
+        return mb_param, accum_param, mb_param * dp * accum_param, None
+    if g_fixed % dp:
+        return None, None, g_fixed, f"global_batch {g_fixed} is not divisible by dp {dp}"
+    per = g_fixed // dp
+    if mb_param is not None:
+        if per % mb_param:
+            return None, None, g_fixed, (f"micro_batch {mb_param} does not divide global_batch / dp = "
+                                         f"{g_fixed} / {dp} = {per}")
+        mb = mb_param
+    else:
+        mb = max(d for d in _divisors(per) if d <= max(1, mb_config))
+    acc = per // mb
+    if accum_param is not None and accum_param != acc:
+        return None, None, g_fixed, (f"micro_batch {mb} x dp {dp} x accum {accum_param} = "
+                                     f"{mb * dp * accum_param}, not global_batch {g_fixed}")
+    return mb, acc, g_fixed, None
+
+
+def _availability(target: str, workers: int) -> str | None:
+    """None when this machine has the devices for its share of the run, else why not."""
+    if target == "CPU":
+        return None
+    from labkit.doctor.env import collect_hardware
+
+    hw = collect_hardware()
+    have = len(hw["npus"] if target == "Ascend" else hw["nvidia_gpus"])
+    if have < workers:
+        return f"this machine has {have} {target} device(s) and the run needs {workers} per node"
+    return None
+
+
+def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
+    """Validate the parameters (names from PARAMETERS, read from `namespace`, e.g. the notebook's globals())."""
+    from labkit.training import checkpoint
+    from labkit.parallel.devices import device_preset
+    from labkit.model.llama import backend_flags
+
+    os.environ.setdefault("GLOG_v", "3")  # MindSpore may be imported below (the CPU GEMM probe)
+    given = {name: _typed(name, namespace.get(name, DEFAULTS[name])) for name in PARAMS}
+    sources = {name: (value, "parameter") for name, value in given.items() if value is not None}
+    preset = given["preset"]
+    if preset not in PRESETS:
+        raise LabkitError(f"parameter preset = {preset!r} is not known", f"use one of {', '.join(PRESETS)}")
+    pre = PRESETS[preset]
+    base = load_run_config(given["config"] or pre["config"],
+                           [] if given["config"] else [f"{k}={v}" for k, v in pre.get("overrides", {}).items()])
+    data = to_dict(base)
+    for p in PARAMETERS:  # plain settings: the parameter wins, None keeps the config's value
+        if p.field and given[p.name] is not None and p.name not in ("dp", "mp", "pp", "micro_batch", "accum",
+                                                                    "global_batch", "output_dir"):
+            set_dotted(data, f"{p.field}={json.dumps(given[p.name])}")
+    cfg = load(RunConfig, data)  # validates types, schedule, recompute syntax later
+    model = cfg.model_config()
+    target = cfg.parallel.device_target
+    if cfg.data.seq_len > model.max_position_embeddings:
+        raise LabkitError(f"parameter seq_len = {cfg.data.seq_len} exceeds the model's max_position_embeddings "
+                          f"{model.max_position_embeddings}", f"use seq_len <= {model.max_position_embeddings}")
+    recompute_fraction(cfg.train.recompute, model.num_layers)  # raises on a bad spec
+
+    devices = given["devices"] or pre["devices"]
+    if devices < 1:
+        raise LabkitError(f"parameter devices = {devices} must be >= 1")
+    same_target = target == base.parallel.device_target
+    dev_name = given["device"] or (pre.get("device") if same_target else None) or DEVICE_FOR_TARGET[target]
+    dev = device_preset(dev_name, measure=False)  # the CPU's GEMM peak is measured below, once validation passed
+    nodes = given["nodes"] or (1 if target == "CPU" else max(1, math.ceil(devices / dev.devices_per_node)))
+    if devices % nodes:
+        raise LabkitError(f"devices {devices} do not split evenly over nodes {nodes}",
+                          "choose nodes dividing devices (every node runs the same number of workers)")
+    workers = devices // nodes
+    if not 0 <= given["node_rank"] < nodes:
+        raise LabkitError(f"parameter node_rank = {given['node_rank']} is outside 0..{nodes - 1}")
+    where = _availability(target, workers)
+    if nodes > 1 and where is None and not (given["master_addr"] and given["master_port"]):
+        raise LabkitError(f"nodes = {nodes} needs master_addr and master_port (node 0's host and a free port)",
+                          "pass -p master_addr HOST -p master_port PORT, the same on every node")
+    memory = given["device_memory_gib"] or (
+        round(host_ram_gib() / workers, 1) if dev.name == "cpu" else dev.memory_gib)
+    if given["device_memory_gib"] is None:
+        sources["device_memory_gib"] = (memory, "host RAM / workers" if dev.name == "cpu" else f"device {dev.name}")
+
+    # the layout: dp x mp x pp = devices, each pinned or searched
+    dp_, mp_, pp_ = given["dp"], given["mp"], given["pp"]
+    pinned = [(n, v) for n, v in (("dp", dp_), ("mp", mp_), ("pp", pp_)) if v is not None]
+    product = math.prod(v for _, v in pinned) if pinned else 1
+    if any(v < 1 for _, v in pinned):
+        raise LabkitError(f"parameters dp/mp/pp must be >= 1, got {dict(pinned)}")
+    if (len(pinned) == 3 and product != devices) or devices % product:
+        shown = " x ".join(f"{n} {v}" for n, v in pinned)
+        tail = (f" = {product} != {devices}" if len(pinned) == 3 else
+                (f" = {product}" if len(pinned) > 1 else "") + f" does not divide {devices}")
+        raise LabkitError(f"dp x mp x pp must equal devices ({devices}): {shown}{tail}",
+                          f"choose values whose product is {devices} (e.g. dp {devices}), or leave dp/mp/pp None "
+                          "for the planner's best")
+    if target == "CPU" and ((mp_ or 1) > 1 or (pp_ or 1) > 1):
+        raise LabkitError(f"mp {mp_} / pp {pp_} need semi_auto_parallel, which MindSpore 2.9 refuses on CPU",
+                          "on CPU use data parallel only (mp 1, pp 1), or device_target Ascend/GPU")
+    shard = cfg.parallel.optimizer_shard
+    if devices == 1 and shard:
+        shard = False
+        sources["optimizer_shard"] = (False, "one device: nothing to shard over")
+    if target == "CPU" and shard:
+        raise LabkitError("optimizer_shard needs MindSpore's parallel optimizer (semi_auto_parallel), which is "
+                          "refused on CPU", "pass -p optimizer_shard False, or run on Ascend/GPU")
+    t = cfg.train
+    mb_param, acc_param, g_param = given["micro_batch"], given["accum"], given["global_batch"]
+    for name, v in (("micro_batch", mb_param), ("accum", acc_param), ("global_batch", g_param)):
+        if v is not None and v < 1:
+            raise LabkitError(f"parameter {name} = {v} must be >= 1")
+    config_dp = base.parallel.dp or max(1, pre["devices"] // (base.parallel.mp * base.parallel.pp))
+    g_fixed = g_param or (None if mb_param and acc_param else
+                          t.global_batch or t.micro_batch * t.accum * config_dp)
+    flash = backend_flags(target).use_flash_attention
+    dev = device_preset(dev_name)
+    rows, reasons = [], {}
+    for m in _divisors(devices):
+        for q in _divisors(devices // m):
+            d = devices // m // q
+            if (dp_ and d != dp_) or (mp_ and m != mp_) or (pp_ and q != pp_) or (target == "CPU" and m * q > 1):
+                continue
+            mb, acc, g, why = _batch(g_fixed, mb_param, acc_param, t.micro_batch, d)
+            if why is None:
+                try:
+                    rows.append(estimate(model, dev, memory, devices=devices, nodes=nodes, seq_len=cfg.data.seq_len,
+                                         dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
+                                         optimizer_shard=shard and d > 1, amp_level=t.amp_level,
+                                         flash_attention=flash))
+                except LabkitError as e:
+                    why = e.what
+            if why:
+                reasons[f"dp {d} x mp {m} x pp {q}"] = why
+    if not rows:
+        raise LabkitError("no parallel layout passes the batch arithmetic: "
+                          + "; ".join(f"{k}: {v}" for k, v in reasons.items()),
+                          "micro_batch x dp x accum must equal global_batch: change micro_batch/accum/"
+                          "global_batch, or leave micro_batch and accum None to derive them")
+    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], -r["dp"]))
+    best = rows[0]
+    if not best["fits"]:
+        raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device: {best['why_not']} "
+                          f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
+                          f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
+                          f"{best['optimizer_shard']})",
+                          _memory_fix(model, dev, memory, devices, nodes, cfg, g_fixed or best["micro_batch"] *
+                                      best["dp"] * best["accum"], target, flash))
+    for name, key in (("dp", "dp"), ("mp", "mp"), ("pp", "pp")):
+        if given[name] is None:
+            sources[name] = (best[key], f"planner's best of {sum(r['fits'] for r in rows)} fitting layouts")
+    how = {"micro_batch": "config" if best["micro_batch"] == t.micro_batch else
+           f"config's {t.micro_batch}, lowered to divide global_batch / dp",
+           "accum": "global_batch / (micro_batch x dp)", "global_batch": "config" if g_fixed else "micro_batch x dp x accum"}
+    for name in ("micro_batch", "accum", "global_batch"):
+        if given[name] is None:
+            sources[name] = (None, how[name])
+    if shard and not best["optimizer_shard"]:
+        shard = False
+
+    # parallel mode and the final config
+    if devices == 1:
+        mode = "stand_alone"
+    elif target == "CPU":
+        mode = "data_parallel"
+    elif base.parallel.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
+        mode = base.parallel.parallel_mode
+    else:
+        mode = "semi_auto_parallel" if (best["mp"] > 1 or best["pp"] > 1 or shard) else "data_parallel"
+    for key, value in (("parallel.dp", best["dp"]), ("parallel.mp", best["mp"]), ("parallel.pp", best["pp"]),
+                       ("parallel.optimizer_shard", shard), ("parallel.parallel_mode", mode),
+                       ("train.micro_batch", best["micro_batch"]), ("train.accum", best["accum"]),
+                       ("train.global_batch", best["micro_batch"] * best["dp"] * best["accum"])):
+        set_dotted(data, f"{key}={json.dumps(value)}")
+    scratch = given["output_dir"] is None
+    out = (RUNS / "pretrain" / preset) if scratch else _caller_base() / Path(given["output_dir"]).expanduser()
+    data["output_dir"] = str(out.resolve())
+    run = PretrainRun(preset=preset, cfg=None, model=model, device=dev, device_memory_gib=memory, devices=devices,
+                      nodes=nodes, workers=workers, node_rank=given["node_rank"], master_addr=given["master_addr"],
+                      master_port=given["master_port"], strategy=best, alternatives=rows[1:],
+                      can_train=where is None, why_not=where, output_dir=out.resolve(), resume=given["resume"],
+                      overwrite=given["overwrite"] or scratch, params=given, sources=sources)
+    for key in ("dataset", "tokenizer", "init_checkpoint"):
+        section = "train" if key == "init_checkpoint" else "data"
+        if data[section].get(key):
+            data[section][key] = str(_user_path(data[section][key]))
+    run.cfg = load(RunConfig, data)
+    if check_files and run.can_train:
+        _check_files(run, checkpoint)
+    return run
+
+
+def host_ram_gib() -> float:
+    import psutil
+
+    from labkit.parallel.devices import GIB
+
+    return psutil.virtual_memory().total / GIB
+
+
+def _check_files(run: PretrainRun, checkpoint) -> None:
+    c = run.cfg
+    for what, value, need in (("dataset", c.data.dataset, "a MindRecord folder from `labkit data build`"),
+                              ("tokenizer", c.data.tokenizer, "a tokenizer folder with tokenizer.model"),
+                              ("init_checkpoint", c.train.init_checkpoint, "a `labkit convert hf2ms` output")):
+        if value and not Path(value).exists():
+            raise LabkitError(f"parameter {what} = {run.params.get(what) or value} not found (looked at {value})",
+                              f"give {need}; relative paths start where you run, configs/ and data/ at the lab root")
+    out = run.output_dir
+    has_run = bool(checkpoint.list_checkpoints(out)) or (out / "metrics.jsonl").exists()
+    if run.resume:
+        ck = checkpoint.latest(out)
+        if ck is None:
+            raise LabkitError(f"resume = True but {out} holds no complete checkpoint",
+                              "run once without resume first, or point output_dir at the earlier run")
+        step = int(ck.name.split("_")[1])
+        if step >= c.train.steps:
+            raise LabkitError(f"resume: the newest checkpoint is step {step}, already at steps {c.train.steps}",
+                              f"pass -p steps N with N > {step} to train further")
+    elif has_run and not run.overwrite:
+        raise LabkitError(f"output_dir {out} already holds a run",
+                          "continue it with -p resume True, start over with -p overwrite True, or choose another "
+                          "output_dir")
+
+
+def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, flash) -> str:
+    """The planner's fastest fitting strategy for these devices, as parameters to pass."""
+    from labkit.parallel import planner
+
+    precision, master = AMP_PRECISION[cfg.train.amp_level]
+    found = []
+    for rc in ("none", "full"):
+        cons = {"recompute": rc, **({"mp": 1, "pp": 1} if target == "CPU" else {})}
+        if target == "CPU":
+            cons["optimizer_shard"] = False
+        res = planner.plan(model, devices, memory, device=dev, seq_len=cfg.data.seq_len, global_batch=global_batch,
+                           precision=precision, master_weights=master, nodes=nodes, flash_attention=flash,
+                           constraints=cons)
+        found += [r for r in res["strategies"] if r["fits"]]
+        why = res["why"]
+    if not found:
+        return f"the planner finds no fitting strategy at all: {why}"
+    b = max(found, key=lambda r: r["tokens_per_s"])
+    rc = {"none": "none", "full": "all"}[b["recompute"]]
+    return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b['dp']} -p mp "
+            f"{b['mp']} -p pp {b['pp']} -p micro_batch {b['micro_batch']} -p recompute {rc} -p optimizer_shard "
+            f"{b['optimizer_shard']} ({b['memory_gib']['total']:.1f} GiB)")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+# ---------------------------------------------------------------------------------------------- the 7B recipes
+
+

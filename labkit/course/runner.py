@@ -1,0 +1,163 @@
+"""`labkit run`: execute the course notebooks in order with papermill into one run folder.
+
+Each notebook runs with kernel `python3` in `notebooks/` (as in JupyterLab; `LABKIT_CALLER_CWD` tells it where
+`labkit run` was called, so user paths such as `output_dir` stay relative to that), takes the parameters it declares
+from `--params FILE.yaml`, and may record key figures with `labkit.course.nb.record`; the run ends with `summary.md` and
+`summary.json` linking every executed notebook. A failing notebook is reported by file and cell.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from labkit.errors import LabkitError
+from labkit.paths import NOTEBOOKS, RUNS
+from labkit.io import atomic_write_text
+
+FIGURES_ENV = "LABKIT_FIGURES_FILE"
+CALLER_ENV = "LABKIT_CALLER_CWD"  # where `labkit run` was called: notebooks resolve user paths (output_dir) from it
+
+
+@dataclass
+class NotebookResult:
+    notebook: str
+    output: str
+    status: str  # ok | failed | skipped
+    seconds: float = 0.0
+    parameters: dict = field(default_factory=dict)
+    figures: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def course_notebooks(only: list[str] | None = None) -> list[Path]:
+    """The notebooks in order; `only` selects by number prefix ("04") or name."""
+    books = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if not only:
+        return books
+    picked = []
+    for key in only:
+        match = [p for p in books if p.name.startswith(key.zfill(2) + "_") or p.stem == key or p.name == key]
+        if not match:
+            raise LabkitError(f"--only {key}: no notebook matches",
+                              f"choose from {', '.join(p.name[:2] for p in books)}")
+        picked += [m for m in match if m not in picked]
+    return sorted(picked)
+
+
+def read_params(path: str | None) -> dict:
+    if not path:
+        return {}
+    from labkit.config import read_yaml
+
+    params = read_yaml(path)
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise LabkitError(f"{path}: parameters must be a flat mapping; {nested[0]!r} holds a mapping",
+                          "write one `name: value` per line, e.g. `steps: 20`")
+    return params
+
+
+def declared_parameters(notebook: Path) -> dict:
+    import papermill
+
+    return papermill.inspect_notebook(str(notebook))
+
+
+def _describe_failure(exc: Exception, notebook: Path) -> str:
+    cell = getattr(exc, "cell_index", None)
+    count = getattr(exc, "exec_count", None)
+    ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+    where = f"cell {cell}" if cell is not None else "a cell"
+    if count is not None:
+        where += f" (In [{count}])"
+    return f"{notebook.relative_to(NOTEBOOKS.parent)}: {where}: {ename}: {evalue}"
+
+
+def run_notebooks(params: dict | None = None, only: list[str] | None = None, output: str | None = None,
+                  keep_going: bool = False, log=print) -> tuple[Path, list[NotebookResult]]:
+    import papermill
+
+    params = params or {}
+    books = course_notebooks(only)
+    if not books:
+        raise LabkitError(f"no notebooks found in {NOTEBOOKS}")
+    caller = os.getcwd()
+    out_dir = Path(output) if output else RUNS / time.strftime("run-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    unused = set(params)
+    results: list[NotebookResult] = []
+    failed = False
+    for nb in books:
+        target = out_dir / nb.name
+        declared = declared_parameters(nb)
+        mine = {k: v for k, v in params.items() if k in declared}
+        unused -= set(mine)
+        if failed and not keep_going:
+            results.append(NotebookResult(nb.name, str(target), "skipped", parameters=mine))
+            continue
+        figures_file = out_dir / f"{nb.stem}.figures.json"
+        figures_file.unlink(missing_ok=True)
+        os.environ[FIGURES_ENV] = str(figures_file.resolve())
+        os.environ[CALLER_ENV] = caller
+        log(f"▶ {nb.name}" + (f"  parameters: {mine}" if mine else ""))
+        start = time.time()
+        res = NotebookResult(nb.name, str(target), "ok", parameters=mine)
+        try:
+            papermill.execute_notebook(str(nb), str(target), parameters=mine, kernel_name="python3",
+                                       cwd=str(NOTEBOOKS), progress_bar=True, log_output=False,
+                                       stdout_file=None, stderr_file=None)
+        except papermill.PapermillExecutionError as e:
+            res.status, res.error, failed = "failed", _describe_failure(e, nb), True
+            log(f"✗ {res.error}")
+        finally:
+            os.environ.pop(FIGURES_ENV, None)
+            os.environ.pop(CALLER_ENV, None)
+        res.seconds = round(time.time() - start, 1)
+        if figures_file.exists():
+            res.figures = json.loads(figures_file.read_text(encoding="utf-8"))
+        results.append(res)
+    if unused:
+        log(f"note: no notebook declares {sorted(unused)} (ignored)")
+    write_summary(out_dir, results, params)
+    return out_dir, results
+
+
+def write_summary(out_dir: Path, results: list[NotebookResult], params: dict) -> None:
+    lines = ["# Run summary / 运行摘要", "", f"- parameters: `{json.dumps(params, ensure_ascii=False)}`", "",
+             "| notebook | status | seconds | key figures |", "| --- | --- | --- | --- |"]
+    for r in results:
+        figs = ", ".join(f"{k}: {v}" for k, v in r.figures.items()) or ("—" if not r.error else r.error)
+        lines.append(f"| [{r.notebook}]({r.notebook}) | {r.status} | {r.seconds} | {figs} |")
+    atomic_write_text(out_dir / "summary.md", "\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "summary.json",
+                      json.dumps({"parameters": params, "notebooks": [asdict(r) for r in results]}, indent=2,
+                                 ensure_ascii=False, default=str))
+
+
+def add_cli(parser) -> None:
+    parser.add_argument("--params", help="YAML file: a flat mapping of notebook parameters (applied where declared)")
+    parser.add_argument("--only", nargs="+", metavar="NN", help="run only these notebooks (e.g. --only 00 04)")
+    parser.add_argument("--output", help="run folder (default: runs/run-<timestamp>)")
+    parser.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from labkit.output import emit
+
+    params = read_params(args.params)
+    out_dir, results = run_notebooks(params, args.only, args.output, args.keep_going,
+                                     log=lambda m: print(m, file=sys.stderr))
+    failed = [r for r in results if r.status == "failed"]
+    text = "\n".join([f"{r.status:>7}  {r.notebook}  ({r.seconds}s)" for r in results] +
+                     [f"executed notebooks: {out_dir}/", f"summary: {out_dir / 'summary.md'}"])
+    emit(args, {"ok": not failed, "output": str(out_dir), "summary": str(out_dir / "summary.md"),
+                "notebooks": [asdict(r) for r in results]}, text)
+    for r in failed:
+        print(f"labkit run: failed: {r.error}\n  see the executed notebook {r.output}", file=sys.stderr)
+    return 1 if failed else 0

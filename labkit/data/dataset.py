@@ -1,0 +1,305 @@
+"""Offline tokenisation, packing into MindRecord, and the deterministic loader that training reads.
+
+Build: documents are tokenised once (no BOS; EOS appended after every document), concatenated, and cut into samples
+of `seq_len + 1` tokens (the model shifts inputs and labels itself); the tail that fills no sample is dropped and
+counted (the tokenised corpus is held in memory, 4 bytes a token: fine for this lab's corpora, not for a
+multi-billion-token one). The dataset directory appears only when complete (a temporary sibling, then renamed):
+  data.mindrecord, data.mindrecord.db   column `input_ids`, int32, shape [seq_len + 1]
+  doc_lengths.npy                       tokens per document (EOS included), for histograms
+  token_counts.npy                      how often each token id occurs
+  sample_docs.npy                       EOS tokens per sample (document ends), for shard-balance checks
+  stats.json                            written last: counts, verdict, warnings, fingerprints, file sizes
+
+Loader order (what training's exact resume and data-parallel equivalence rely on): epoch e is the permutation
+`numpy.random.default_rng(seed + e).permutation(n_samples)`; optimizer step t takes the next
+G = micro_batch * dp_size * accum samples; micro-step j takes G's slice [j*mb*dp, (j+1)*mb*dp) and rank r takes
+[r*mb, (r+1)*mb) of that. An epoch's tail shorter than G is skipped. MindDataset reads an explicit index list
+(SubsetSampler), so this is the rank sharding: MindDataset's own num_shards/shard_id would shard with its own
+order, and 1 worker x micro_batch 2b would no longer see what 2 workers x b see.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.paths import RUNS, ROOT, lab_path
+from labkit.io import atomic_dir
+
+FORMAT = "labkit-dataset/1"
+RECORD = "data.mindrecord"
+CACHE = RUNS / "cache" / "datasets"
+UNK_WARN, UNK_FAIL = 0.001, 0.05  # unk share of all tokens that warns / fails the build
+DOMINANT_WARN, DOMINANT_FAIL = 0.20, 0.50  # share of the most frequent token (EOS excluded)
+_BATCH_DOCS = 64  # documents per tokenizer call
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+def display_path(path) -> str:
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _tokenizer_files(tokenizer_dir) -> list[Path]:
+    d = lab_path(tokenizer_dir)
+    if not d.is_dir():
+        raise LabkitError(f"tokenizer directory {tokenizer_dir} not found",
+                          "give --tokenizer DIR (data/tokenizer is the shipped one; `labkit tokenizer train` makes one)")
+    files = sorted(f for f in d.iterdir() if f.is_file())
+    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
+        raise LabkitError(f"{d} has neither tokenizer.json nor tokenizer.model", "point --tokenizer at a tokenizer directory")
+    return files
+
+
+def _tokenizer_hash(tokenizer_dir) -> str:
+    h = hashlib.sha256()
+    for f in _tokenizer_files(tokenizer_dir):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+_WORKER_TOK = None
+
+
+def load_fast_tokenizer(tokenizer_dir):
+    from transformers.utils import logging as hf_logging
+
+    from labkit.data.tokenizer import load
+
+    hf_logging.set_verbosity_error()
+    return load(tokenizer_dir, "hf")
+
+
+def _worker_init(tokenizer_dir):
+    global _WORKER_TOK
+    _WORKER_TOK = load_fast_tokenizer(tokenizer_dir)
+
+
+def _encode_batch(texts: list[str], tok=None) -> list[np.ndarray]:
+    tok = tok or _WORKER_TOK
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    return [np.asarray(x, dtype=np.int32) for x in ids]
+
+
+def _tokenize(docs: list[str], tokenizer_dir, workers: int, progress: bool, tok=None) -> list[np.ndarray]:
+    from tqdm.auto import tqdm
+
+    batches = [docs[i:i + _BATCH_DOCS] for i in range(0, len(docs), _BATCH_DOCS)]
+    bar = tqdm(total=len(docs), desc="tokenise", unit="doc", file=sys.stderr, disable=not progress or None,
+               leave=False)
+    out: list[np.ndarray] = []
+    try:
+        if workers <= 1:
+            tok = tok or load_fast_tokenizer(tokenizer_dir)
+            for b in batches:
+                out += _encode_batch(b, tok)
+                bar.update(len(b))
+        else:
+            import multiprocessing as mp
+
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
+            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with ctx.Pool(workers, initializer=_worker_init, initargs=(str(lab_path(tokenizer_dir)),)) as pool:
+                for b, ids in zip(batches, pool.imap(_encode_batch, batches)):
+                    out += ids
+                    bar.update(len(b))
+    finally:
+        bar.close()
+    return out
+
+
+def _verdict(n_tokens: int, counts: np.ndarray, unk_id: int, eos_id: int, tok, report) -> tuple[float, str, list]:
+    warnings = report.summary()
+    level = "warn" if warnings else "ok"
+    unk_rate = float(counts[unk_id]) / max(n_tokens, 1) if unk_id is not None and unk_id < len(counts) else 0.0
+    if unk_rate > UNK_WARN:
+        warnings.append(f"unk_rate {unk_rate:.2%}: the tokenizer cannot represent part of this text "
+                        "(no byte fallback, or the wrong tokenizer)")
+        level = "fail" if unk_rate > UNK_FAIL else "warn"
+    others = counts.copy()
+    if eos_id is not None and eos_id < len(others):
+        others[eos_id] = 0
+    top = int(others.argmax())
+    share = float(others[top]) / max(int(others.sum()), 1)
+    if share > DOMINANT_WARN:
+        warnings.append(f"token {top} ({tok.convert_ids_to_tokens(top)!r}) is {share:.0%} of all tokens: "
+                        "check the text (repeated padding, markup, one character everywhere?)")
+        level = "fail" if share > DOMINANT_FAIL else ("warn" if level == "ok" else level)
+    return unk_rate, level, warnings
+
+
+def _page_sizes(nbytes: int) -> tuple[int, int]:
+    """MindRecord page and header sizes: small pages for small sets; a header with room for every page's meta."""
+    page = 1 << 20 if nbytes < (1 << 30) else 1 << 25
+    pages = nbytes // page + 2
+    header = 1 << 16
+    while header < pages * 1024 and header < (1 << 27):
+        header <<= 1
+    return page, header
+
+
+def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int = 1, text_field: str = "text",
+                  split_on_blank_lines: bool = False, *, overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenise `corpus`, pack into samples of seq_len + 1 tokens, write a MindRecord dataset; return the stats."""
+    from labkit.data.corpus import ReadReport, fingerprint, read_documents
+
+    if seq_len < 1:
+        raise LabkitError(f"--seq-len {seq_len} must be at least 1")
+    if workers < 1:
+        raise LabkitError(f"--workers {workers} must be at least 1")
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not overwrite:
+        raise LabkitError(f"output directory {output_dir} already exists", "choose another --output or delete it")
+    tok_hash = _tokenizer_hash(tokenizer_dir)
+    t0 = time.perf_counter()
+    report = ReadReport()
+    docs = read_documents(corpus, text_field=text_field, split_on_blank_lines=split_on_blank_lines, report=report)
+    tok = load_fast_tokenizer(tokenizer_dir)
+    eos_id, unk_id = tok.eos_token_id, tok.unk_token_id
+    if eos_id is None:
+        raise LabkitError(f"tokenizer {tokenizer_dir} has no eos_token", "set eos_token in its tokenizer_config.json")
+    t1 = time.perf_counter()
+    ids = _tokenize(docs, tokenizer_dir, workers, progress, tok)
+    t_tok = time.perf_counter() - t1
+    eos = np.array([eos_id], dtype=np.int32)
+    stream = np.concatenate([x for d in ids for x in (d, eos)])
+    doc_lengths = np.array([len(d) + 1 for d in ids], dtype=np.int32)
+    sample_len = seq_len + 1
+    n_tokens = int(stream.size)
+    n_samples = n_tokens // sample_len
+    if n_samples == 0:
+        raise LabkitError(f"the corpus gives {n_tokens} tokens, fewer than one sample of seq_len + 1 = {sample_len}",
+                          "give more text or a smaller --seq-len")
+    vocab = max(tok.get_vocab().values()) + 1
+    if int(stream.max()) >= vocab:
+        raise LabkitFailure(f"token id {int(stream.max())} is outside the tokenizer's {vocab} ids")
+    counts = np.bincount(stream, minlength=vocab).astype(np.int64)
+    unk_rate, verdict, warnings = _verdict(n_tokens, counts, unk_id, eos_id, tok, report)
+    samples = stream[: n_samples * sample_len].reshape(n_samples, sample_len)
+    sample_docs = (samples == eos_id).sum(axis=1).astype(np.int32)
+    top = np.argsort(counts)[::-1][:10]
+    from mindspore.mindrecord import FileWriter
+    from tqdm.auto import tqdm
+
+    with atomic_dir(output_dir, overwrite=overwrite) as tmp:
+        writer = FileWriter(str(tmp / RECORD), shard_num=1, overwrite=True)
+        page, header = _page_sizes(samples.nbytes)
+        writer.set_page_size(page)  # the defaults (32 MB pages, 16 MB header) pad a small set to 50 MB
+        writer.set_header_size(header)
+        writer.add_schema({"input_ids": {"type": "int32", "shape": [sample_len]}}, "packed token ids")
+        step = 1024
+        for i in tqdm(range(0, n_samples, step), desc="write", unit="chunk", file=sys.stderr, leave=False,
+                      disable=not progress or None):
+            writer.write_raw_data([{"input_ids": s} for s in samples[i:i + step]])
+        writer.commit()
+        np.save(tmp / "doc_lengths.npy", doc_lengths)
+        np.save(tmp / "token_counts.npy", counts)
+        np.save(tmp / "sample_docs.npy", sample_docs)
+        seconds = time.perf_counter() - t0
+        stats = dict(
+            format=FORMAT, seq_len=seq_len, sample_len=sample_len, n_documents=len(docs), n_tokens=n_tokens,
+            n_samples=n_samples, n_dropped_tokens=n_tokens - n_samples * sample_len, unk_rate=round(unk_rate, 6),
+            verdict=verdict, warnings=warnings, vocab_size=vocab, eos_id=eos_id, bos_added=False,
+            eos_between_documents=True, top_tokens=[[int(i), tok.convert_ids_to_tokens(int(i)),
+                                                     round(float(counts[i]) / n_tokens, 4)] for i in top],
+            tokenizer=display_path(lab_path(tokenizer_dir)), tokenizer_sha256=tok_hash,
+            corpus=[display_path(f) for f in report.files], corpus_sha256=fingerprint(corpus), text_field=text_field,
+            split_on_blank_lines=split_on_blank_lines, workers=workers, seconds=round(seconds, 2),
+            tokenize_seconds=round(t_tok, 2), tokens_per_second=round(n_tokens / max(t_tok, 1e-9)),
+            files={f.name: f.stat().st_size for f in sorted(tmp.iterdir())})
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return dict(ok=True, output=str(output_dir), **stats)
+
+
+def read_stats(dataset_dir) -> dict:
+    """stats.json of a complete dataset; LabkitError when the directory is missing or incomplete."""
+    d = lab_path(dataset_dir)
+    if not d.is_dir():
+        raise LabkitError(f"dataset directory {dataset_dir} not found",
+                          "build it with `labkit data build --corpus ... --tokenizer ... --seq-len N --output DIR`")
+    path = d / "stats.json"
+    if not path.is_file():
+        raise LabkitError(f"dataset {d} is incomplete (no stats.json): an interrupted or foreign build",
+                          "delete the directory and build it again")
+    try:
+        stats = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise LabkitError(f"{path} is not valid JSON ({e.msg})", "delete the dataset and build it again") from None
+    if stats.get("format") != FORMAT:
+        raise LabkitError(f"{d} is not a {FORMAT} dataset (format {stats.get('format')!r})", "build it again")
+    bad = [n for n, size in stats.get("files", {}).items() if not (d / n).is_file() or (d / n).stat().st_size != size]
+    if bad:
+        raise LabkitError(f"dataset {d} is incomplete: {', '.join(bad)} missing or changed",
+                          "delete the directory and build it again")
+    return stats
+
+
+def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field: str = "text",
+                   split_on_blank_lines: bool = False, progress: bool = True) -> Path:
+    """The dataset for (corpus, tokenizer, seq_len), built on first use under runs/cache/datasets/<hash>/.
+
+    Defaults: the shipped data/corpus and data/tokenizer. Safe when several processes call it at once: each builds
+    into its own temporary directory and renames it; a loser of the race removes its copy and uses the winner's."""
+    from labkit.data.corpus import fingerprint
+    from labkit.data.tokenizer import SHIPPED_TOKENIZER
+
+    tokenizer_dir = lab_path(tokenizer_dir) if tokenizer_dir else SHIPPED_TOKENIZER
+    h = hashlib.sha256(f"{FORMAT}\0{fingerprint(corpus)}\0{_tokenizer_hash(tokenizer_dir)}\0{seq_len}\0"
+                       f"{text_field}\0{split_on_blank_lines}".encode()).hexdigest()[:20]
+    final = CACHE / h
+    if final.exists():
+        try:
+            read_stats(final)
+            return final
+        except LabkitError:  # damaged by hand: move it aside (another process may do the same)
+            try:
+                os.rename(final, final.with_name(f".stale-{h}-{uuid.uuid4().hex[:8]}"))
+            except OSError:
+                pass
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE / f".build-{h}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    build_dataset(corpus, tokenizer_dir, seq_len, tmp, text_field=text_field, split_on_blank_lines=split_on_blank_lines,
+                  progress=progress)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        read_stats(final)
+    return final
+
+
+# -------------------------------------------------------------------------------------------- loading
+
+
+def histograms(dataset_dir) -> dict:
+    """doc_lengths (tokens per document) and token_counts (occurrences per id) saved by the build."""
+    d = lab_path(dataset_dir)
+    read_stats(d)
+    return dict(doc_lengths=np.load(d / "doc_lengths.npy"), token_counts=np.load(d / "token_counts.npy"))
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def format_build(r: dict) -> str:
+    lines = [f"wrote {r['output']}: {r['n_samples']} samples of {r['sample_len']} tokens from {r['n_documents']} "
+             f"documents ({r['n_tokens']} tokens, {r['n_dropped_tokens']} dropped), unk_rate {r['unk_rate']:.4%}, "
+             f"{r['seconds']} s", f"verdict: {r['verdict']}"]
+    return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])

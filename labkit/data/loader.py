@@ -1,0 +1,104 @@
+"""The loader's order contract. One global batch G = micro_batch x dp_size x accum samples per step; micro-step j
+takes G's slice [j*mb*dp, (j+1)*mb*dp) and rank r takes its r-th micro-batch of that slice. The order of an epoch
+depends only on (seed, epoch), so any dp x accum split of the same global batch sees the same samples per step,
+and a resumed run reads exactly the batches the uninterrupted run would have read."""
+from __future__ import annotations
+
+import os
+import numpy as np
+from labkit.errors import LabkitError
+from labkit.paths import lab_path
+from labkit.data.dataset import RECORD, read_stats
+
+
+def epoch_order(n_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    return np.random.default_rng(seed + epoch).permutation(n_samples) if shuffle else np.arange(n_samples)
+
+
+def global_batch_size(micro_batch: int, dp_size: int = 1, accum: int = 1) -> int:
+    return micro_batch * dp_size * accum
+
+
+def check_layout(n_samples: int, micro_batch: int, dp_size: int, dp_rank: int, accum: int) -> int:
+    for name, v in (("micro_batch", micro_batch), ("dp_size", dp_size), ("accum", accum)):
+        if v < 1:
+            raise LabkitError(f"{name} must be at least 1, got {v}")
+    if not 0 <= dp_rank < dp_size:
+        raise LabkitError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    g = global_batch_size(micro_batch, dp_size, accum)
+    if n_samples < g:
+        raise LabkitError(f"the dataset has {n_samples} samples, fewer than one global batch of {g} "
+                          f"(micro_batch {micro_batch} x dp {dp_size} x accum {accum})",
+                          f"give at least {g} samples (more text or a shorter seq_len) or a smaller batch")
+    return n_samples // g
+
+
+def rank_indices(n_samples: int, micro_batch: int, *, seed: int, epoch: int, dp_size: int = 1, dp_rank: int = 0,
+                 accum: int = 1, shuffle: bool = True) -> np.ndarray:
+    """Sample indices rank `dp_rank` reads in `epoch`: shape [steps_per_epoch, accum, micro_batch]."""
+    steps = check_layout(n_samples, micro_batch, dp_size, dp_rank, accum)
+    g = global_batch_size(micro_batch, dp_size, accum)
+    order = epoch_order(n_samples, seed, epoch, shuffle)[: steps * g]
+    return order.reshape(steps, accum, dp_size, micro_batch)[:, :, dp_rank, :]
+
+
+def make_loader(dataset_dir, micro_batch: int, *, seed: int, dp_size: int = 1, dp_rank: int = 0, accum: int = 1,
+                start_step: int = 0, shuffle: bool = True, num_parallel_workers: int = 1, prefetch: int = 16):
+    """Infinite iterator of int32 arrays [micro_batch, seq_len + 1]: `accum` of them per optimizer step, in the
+    order described in the module docstring, starting at optimizer step `start_step` (skipped samples are not read)."""
+    stats = read_stats(dataset_dir)
+    n = stats["n_samples"]
+    steps_per_epoch = check_layout(n, micro_batch, dp_size, dp_rank, accum)
+    if start_step < 0:
+        raise LabkitError(f"start_step {start_step} must be >= 0")
+    if num_parallel_workers < 1 or prefetch < 1:
+        raise LabkitError("num_parallel_workers and prefetch must be at least 1")
+    if num_parallel_workers > (os.cpu_count() or 1):
+        raise LabkitError(f"num_parallel_workers {num_parallel_workers} exceeds this machine's {os.cpu_count()} CPUs "
+                          "(MindSpore refuses more workers than CPUs)", f"use at most {os.cpu_count()}")
+    record = str(lab_path(dataset_dir) / RECORD)
+
+    def batches():
+        from labkit.logs import quiet_mindformers
+
+        quiet_mindformers()
+        import mindspore.dataset as ds
+
+        ds.config.set_prefetch_size(prefetch)
+        step = start_step
+        while True:
+            epoch, first = divmod(step, steps_per_epoch)
+            idx = rank_indices(n, micro_batch, seed=seed, epoch=epoch, dp_size=dp_size, dp_rank=dp_rank,
+                               accum=accum, shuffle=shuffle)[first:]
+            pipe = ds.MindDataset(record, columns_list=["input_ids"], sampler=ds.SubsetSampler(idx.ravel().tolist()),
+                                  num_parallel_workers=num_parallel_workers)
+            pipe = pipe.batch(micro_batch, drop_remainder=True)
+            for (x,) in pipe.create_tuple_iterator(output_numpy=True, num_epochs=1):
+                yield x
+            step = (epoch + 1) * steps_per_epoch
+
+    return batches()
+
+
+def check_shard_balance(dataset_dir, micro_batch: int, dp_size: int, accum: int, steps: int, seed: int,
+                        shuffle: bool = True) -> dict:
+    """Tokens (and document ends) each data-parallel rank reads over `steps` optimizer steps.
+    Packed samples all hold seq_len + 1 tokens, so tokens per rank are exactly equal; documents per rank are not."""
+    stats = read_stats(dataset_dir)
+    n, sample_len = stats["n_samples"], stats["sample_len"]
+    spe = check_layout(n, micro_batch, dp_size, 0, accum)
+    sample_docs = np.load(lab_path(dataset_dir) / "sample_docs.npy")
+    tokens, docs = [], []
+    for r in range(dp_size):
+        idx = [rank_indices(n, micro_batch, seed=seed, epoch=e, dp_size=dp_size, dp_rank=r, accum=accum,
+                            shuffle=shuffle) for e in range(-(-steps // spe))]
+        sel = np.concatenate(idx)[:steps].ravel()
+        tokens.append(int(sel.size * sample_len))
+        docs.append(int(sample_docs[sel].sum()))
+
+    def imbalance(v):
+        return (max(v) - min(v)) / max(np.mean(v), 1e-9)
+
+    return dict(dp_size=dp_size, steps=steps, micro_batch=micro_batch, accum=accum,
+                tokens_per_rank=tokens, documents_per_rank=docs, max_imbalance=round(imbalance(tokens), 6),
+                document_imbalance=round(imbalance(docs), 6))

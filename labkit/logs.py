@@ -1,0 +1,34 @@
+"""Quiet by default: MindSpore's and mindformers' logs go to files under runs/, the console keeps errors."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+from labkit.paths import RUNS
+
+
+def quiet_mindformers_console() -> None:
+    """Keep mindformers' console handlers to errors (its log files still get everything). Its loggers exist only
+    after it is imported, and some of its modules add handlers when first imported: call again after those."""
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
+        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
+            for h in lg.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    h.setLevel(logging.ERROR)
+
+
+def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
+    """Send mindformers' file logs under runs/ instead of ./output and keep its console to errors.
+
+    mindformers logs INFO lines to stdout through handlers bound when it is first imported, so the import happens
+    here, once, with stdout pointed at stderr."""
+    os.environ.setdefault("GLOG_v", "3")
+    os.environ.setdefault("LOG_MF_PATH", str(log_dir or RUNS / "logs" / "mindformers"))
+    if "mindformers" in sys.modules and getattr(quiet_mindformers, "done", False):
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        import mindformers  # noqa: F401
+    quiet_mindformers_console()
+    quiet_mindformers.done = True

@@ -1,0 +1,63 @@
+"""Reading a run's metrics.jsonl and judging its health (the first-steps check the course teaches)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from labkit.io import atomic_write_text
+
+# MindSpore prints its memory-pool statistics at exit with MS_DEV_RUNTIME_CONF=memory_statistics:True.
+# On CPU the pool holds a step's live tensors (activations, gradients); process RSS also carries graph compilation
+# and allocator caches, and max_memory_allocated() returns 0.
+POOL_STATS_ENV = {"MS_DEV_RUNTIME_CONF": "memory_statistics:True"}
+_POOL_RE = re.compile(r"dynamic memory pool.*?actual peak used mem:(\d+)M")
+
+
+def pool_peak_mb(log_text: str) -> float | None:
+    """The last memory-pool peak MindSpore printed (MB), or None."""
+    found = _POOL_RE.findall(log_text)
+    return float(found[-1]) if found else None
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of `<run_dir>/metrics.jsonl`; a line still being written (not yet valid JSON) is skipped."""
+    try:
+        text = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8")
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def health(history: list[dict], grad_norm_alert: float = 10.0) -> dict:
+    """What to look at in the first ~100 steps: is the loss falling, is the gradient norm tame, any NaN/overflow?"""
+    if not history:
+        return {"steps": 0, "verdict": "no steps"}
+    losses = [r["loss"] for r in history]
+    norms = [r["grad_norm"] for r in history]
+    k = max(1, len(losses) // 5)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    spikes = [r["step"] for r in history if r["grad_norm"] > grad_norm_alert]
+    bad = [r["step"] for r in history if not math.isfinite(r["loss"])]
+    falling = last < first
+    verdict = "healthy" if falling and not bad and len(spikes) <= len(history) // 10 else "check"
+    return {"steps": len(history), "loss_first": round(first, 4), "loss_last": round(last, 4),
+            "loss_falling": falling, "grad_norm_max": round(max(norms), 3),
+            "grad_norm_median": round(sorted(norms)[len(norms) // 2], 3), "grad_norm_alerts": spikes,
+            "non_finite_steps": bad, "overflows": history[-1].get("overflows", 0), "verdict": verdict}
+
+
+def steady(history: list[dict], key: str, skip: int = 1) -> float:
+    """Mean of `key` after the first `skip` steps (the first step includes graph compilation)."""
+    rows = history[skip:] or history
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def rewrite_metrics(out: Path, history: list[dict]):
+    atomic_write_text(Path(out) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))

@@ -1,0 +1,393 @@
+"""The training loop: MindSpore primitives around `mindformers.LlamaForCausalLM`.
+
+mindformers' `Trainer` does not run on CPU (its loss-scale wrapper calls an Ascend-only operator), so this loop is
+written with `ms.value_and_grad`, `nn.AdamWeightDecay`, `ms.amp.DynamicLossScaler` and `ms.amp.all_finite` under
+`@ms.jit`. The same code runs stand-alone, under msrun (data parallel) and on Ascend/GPU.
+
+Step t (0-based) consumes the global batch t of `labkit.loader.make_loader`; checkpoints store the step, so a resumed
+run reads exactly the batches the uninterrupted run would have read.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from labkit.training import checkpoint
+from labkit.config import RunConfig, dump_run_config, load_run_config, to_dict
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.training.metrics import read_metrics
+from labkit.model.llama import build_model
+from labkit.logs import quiet_mindformers
+from labkit.io import atomic_write_text
+from labkit.model.shapes import flops_per_token
+from labkit.config import AMP_LEVELS, parse_recompute
+from labkit.training.schedule import WarmupCosine, lr_at
+from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
+from labkit.training.step import grad_ops
+from labkit.training.metrics import rewrite_metrics
+
+
+class Trainer:
+    """Builds everything once; `run()` trains from the current step to cfg.train.steps."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, log=None):
+        quiet_mindformers()
+        import mindspore as ms
+        from mindspore import nn
+
+        from labkit.data import dataset as data
+        from labkit.data import loader
+
+        self.cfg, t = cfg, cfg.train
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+        self.out = Path(cfg.output_dir)
+        self.world = init_context(cfg)
+        self.dp = dp_size(cfg, self.world)
+        self.global_batch = check_batch(cfg, self.dp)
+        self.model_cfg = mcfg = cfg.model_config()
+        if cfg.data.seq_len > mcfg.max_position_embeddings:
+            raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
+                              f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
+        self.dataset = (Path(cfg.data.dataset) if cfg.data.dataset else
+                        data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer))
+        stats = data.read_stats(self.dataset)
+        if stats.get("seq_len") not in (None, cfg.data.seq_len):
+            raise LabkitError(f"dataset {self.dataset} holds samples of seq_len {stats['seq_len']}, "
+                              f"the config asks for {cfg.data.seq_len}", "set data.seq_len to match or rebuild")
+        if stats.get("vocab_size") and stats["vocab_size"] > mcfg.vocab_size:
+            raise LabkitError(f"dataset tokenizer has {stats['vocab_size']} tokens, the model's vocab_size is "
+                              f"{mcfg.vocab_size}", "use the matching tokenizer or resize the embeddings")
+        self.amp = AMP_LEVELS[t.amp_level]
+        self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
+                                 device_target=cfg.parallel.device_target, **self.amp,
+                                 recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
+                                 parallel_config=self._mf_parallel_config())
+        if t.init_checkpoint:
+            self._load_init(t.init_checkpoint)
+        net = self.model
+        if t.amp_level == "O1":
+            try:
+                net = ms.amp.auto_mixed_precision(self.model, "O1")
+            except Exception as e:  # MindSpore's network rewrite cannot parse mindformers' Linear (2.9.0)
+                raise LabkitFailure(
+                    f"amp_level O1: ms.amp.auto_mixed_precision(model, 'O1') failed on mindformers' Llama: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    "use amp_level O2 (float16 compute through mindformers' own dtype settings) or O0") from e
+        net.set_train(True)
+        params = self.model.trainable_params()
+        decay = [p for p in params if len(p.shape) > 1]
+        no_decay = [p for p in params if len(p.shape) <= 1]
+        self.opt = nn.AdamWeightDecay(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            learning_rate=WarmupCosine(t), beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+        self.scaler = None
+        if t.amp_level != "O0":
+            self.scaler = ms.amp.DynamicLossScaler(t.loss_scale, t.scale_factor, t.scale_window)
+        self._compile(net)
+        self.step, self.history, self.overflows = 0, [], 0
+        if resume:
+            self._resume()
+        self.loader = loader.make_loader(self.dataset, t.micro_batch, seed=t.seed, dp_size=self.dp,
+                                       dp_rank=self._dp_rank(), accum=t.accum, start_step=self.step,
+                                       shuffle=cfg.data.shuffle, num_parallel_workers=cfg.data.num_parallel_workers,
+                                       prefetch=cfg.data.prefetch)
+        self.flops_per_token = flops_per_token(mcfg, cfg.data.seq_len)["model"]  # the planner's MFU count
+        self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else None
+
+    # ------------------------------------------------------------------ setup pieces
+    def _dp_rank(self) -> int:
+        return self.world.rank % self.dp if self.world.mode != "stand_alone" else 0
+
+    def _mf_parallel_config(self):
+        if self.world.mode in ("stand_alone", "data_parallel"):
+            return None
+        p = self.cfg.parallel
+        return dict(data_parallel=self.dp, model_parallel=p.mp, pipeline_stage=p.pp,
+                    micro_batch_num=max(p.pp, self.cfg.train.accum), vocab_emb_dp=True)
+
+    def _load_init(self, path):
+        import mindspore as ms
+
+        weights = checkpoint.load_weights(path)
+        own = {n: p for n, p in self.model.parameters_and_names()}
+        bad = [f"{n}: checkpoint {tuple(w.shape)} vs model {tuple(own[n].shape)}"
+               for n, w in weights.items() if n in own and tuple(w.shape) != tuple(own[n].shape)]
+        missing = sorted(set(own) - set(weights))
+        extra = sorted(set(weights) - set(own))
+        if bad or missing or extra:
+            raise LabkitError(f"init_checkpoint {path} does not match the model: " + "; ".join(
+                bad[:3] + [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {extra[:3]}"] * bool(extra)),
+                "check model preset/overrides against the checkpoint's model.yaml (vocab size: "
+                "`labkit tokenizer resize-embeddings`)")
+        ms.load_param_into_net(self.model, weights, strict_load=True)
+
+    def _compile(self, net):
+        """One graph per micro-step. Gradients never leave the graph: passing a fresh gradient tuple from one
+        @ms.jit graph into another cost seconds per step on CPU (measured), so accumulation uses Parameter
+        buffers and the last micro-step unscales, checks, clips and updates in the same graph. Every
+        per-gradient operation goes through `HyperMap` (see `grad_ops`)."""
+        import mindspore as ms
+        from mindspore import nn, ops
+        from mindspore.ops import functional as F
+
+        opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
+        g_ops, hmap = grad_ops(), ops.HyperMap()
+        reducer = None
+        if self.world.mode == "data_parallel":
+            reducer = nn.DistributedGradReducer(opt.parameters, mean=True, degree=self.world.size)
+        acc, grad_fn = self._accumulators(), self._grad_fn(net)
+
+        @ms.jit
+        def accumulate(x, scale):
+            (_, loss), grads = grad_fn(x, scale)
+            return F.depend(loss, hmap(g_ops["assign_add"], acc, grads))
+
+        @ms.jit
+        def step(x, scale, denom):
+            (_, loss), grads = grad_fn(x, scale)
+            if accum > 1:
+                grads = hmap(g_ops["add"], acc, grads)
+            if reducer is not None:
+                grads = reducer(grads)
+            grads = hmap(F.partial(g_ops["divide"], denom), grads)
+            finite = ms.amp.all_finite(grads)
+            norm = ops.sqrt(ops.addn(hmap(g_ops["square_sum"], grads)))
+            if clip > 0:
+                grads = hmap(F.partial(g_ops["multiply"], ops.minimum(clip / (norm + 1e-6), 1.0)), grads)
+            if finite:  # a skipped update leaves weights, moments and the schedule position untouched
+                opt(grads)
+            if accum > 1:
+                loss = F.depend(loss, hmap(g_ops["zero"], acc))
+            return loss, finite, norm
+
+        self._accumulate, self._step = accumulate, step
+
+    def _accumulators(self):
+        """float32 gradient buffers (`self.acc`) when accumulating, else None."""
+        import mindspore as ms
+        from mindspore import ops
+
+        self.acc = None
+        if self.cfg.train.accum > 1:
+            self.acc = ms.ParameterTuple(
+                ms.Parameter(ops.zeros(p.shape, ms.float32), name=f"accu_grads.{p.name}", requires_grad=False)
+                for p in self.opt.parameters)
+        return self.acc
+
+    def _grad_fn(self, net):
+        """(scaled loss, loss) and the gradients of the scaled loss with respect to the optimizer's parameters."""
+        import mindspore as ms
+
+        def loss_fn(x, scale):
+            loss = net(x)
+            return loss * scale, loss
+
+        return ms.value_and_grad(loss_fn, None, self.opt.parameters, has_aux=True)
+
+    def state_params(self):
+        named = list(self.model.parameters_and_names()) + list(self.opt.parameters_and_names())
+        if self.scaler is not None:
+            named += [("loss_scale.value", self.scaler.scale_value), ("loss_scale.counter", self.scaler.counter)]
+        return named
+
+    def _resume(self):
+        import mindspore as ms
+
+        ck = checkpoint.latest(self.out)
+        if ck is None:
+            raise LabkitError(f"--resume: no complete checkpoint under {checkpoint.checkpoint_dir(self.out)}",
+                              "run without --resume first, or point --output at the earlier run")
+        params, meta = checkpoint.load_full(ck)
+        targets = dict(self.state_params())
+        missing = sorted(set(targets) - set(params))
+        if missing:
+            raise LabkitError(f"checkpoint {ck} lacks {missing[:3]} ({len(missing)} in all)",
+                              "resume with the same amp_level and model as the run that wrote it")
+        for name, p in targets.items():
+            p.set_data(ms.Tensor(params[name].asnumpy(), p.dtype))
+        self.step = int(meta["step"])
+        self.overflows = int(meta.get("overflows", 0))
+        self.history = [m for m in read_metrics(self.out) if m["step"] <= self.step]
+        self.log(f"resumed from {ck} at step {self.step}")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, on_step=None) -> dict:
+        t, rank0 = self.cfg.train, self.world.rank == 0
+        if self.peak_flops is None:
+            from labkit.parallel.devices import cached_gemm_peak
+
+            self.peak_flops = cached_gemm_peak()
+        if rank0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out / "config.yaml", dump_run_config(self.cfg))
+            rewrite_metrics(self.out, self.history)
+        bar = _progress(t.steps, self.step, rank0)
+        tokens_per_step = self.global_batch * self.cfg.data.seq_len
+        try:
+            while self.step < t.steps:
+                rec = self._train_step(tokens_per_step)
+                if rank0:
+                    with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", refresh=False)
+                if on_step:
+                    on_step(rec)
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
+                    self.save()
+        finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
+            bar.close()
+        return self.summary()
+
+    def _train_step(self, tokens_per_step: int) -> dict:
+        """One optimizer step (accum micro-steps), checked, counted and recorded in self.history."""
+        import mindspore as ms
+
+        t = self.cfg.train
+        start = time.perf_counter()
+        scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
+        scale_t = ms.Tensor(scale, ms.float32)
+        losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
+        loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t, ms.Tensor(scale * t.accum, ms.float32))
+        losses.append(loss)
+        finite = bool(finite.asnumpy())
+        loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
+        if self.world.size > 1:
+            loss = mean_over_ranks(loss)
+        if self.scaler is not None:
+            self.scaler.adjust(ms.Tensor(finite))
+        grad_norm = float(norm.asnumpy())
+        self._health(finite, loss, grad_norm, scale)
+        self.step += 1
+        seconds = time.perf_counter() - start
+        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
+               "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
+               "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
+               "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
+               "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
+        self.history.append(rec)
+        return rec
+
+    def _health(self, finite: bool, loss: float, grad_norm: float, scale: float):
+        t = self.cfg.train
+        step = self.step + 1
+        if not finite or not math.isfinite(loss):
+            if self.scaler is not None and scale > 1.0:
+                self.overflows += 1
+                self.log(f"step {step}: gradient overflow at loss scale {scale:g}; update skipped, scale reduced")
+                return
+            raise LabkitFailure(
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped before the "
+                f"update (weights unchanged)",
+                f"likely causes: learning rate too high (lr={t.lr:g}; try 3-10x lower or a longer warmup), "
+                f"float16 overflow ({t.amp_level}: use loss scaling or O0), or bad data (check `labkit data build` "
+                f"warnings). Resume from the last checkpoint with --resume after fixing it")
+        if grad_norm > t.grad_norm_alert and self.world.rank == 0:
+            self.log(f"step {step}: gradient norm {grad_norm:.2f} above alert threshold {t.grad_norm_alert:g} "
+                     f"(data spike, lr too high or loss scale unstable?)")
+
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint; every rank waits at a barrier so none runs ahead of a half-written save."""
+        path = None
+        if self.world.rank == 0:
+            t = self.cfg.train
+            meta = {"samples_consumed": self.step * self.global_batch, "global_batch": self.global_batch,
+                    "rng": {"seed": t.seed, "note": "data order and init are functions of seed and step"},
+                    "overflows": self.overflows, "lr_schedule_step": self.step,
+                    "config": json.loads(json.dumps(to_dict(self.cfg), default=str))}
+            path = checkpoint.save(self.out, self.step, self.state_params(), meta, t.keep_checkpoints)
+        if self.world.size > 1:
+            barrier()
+        return path
+
+    def summary(self) -> dict:
+        h = self.history
+        steady = h[1:] if len(h) > 1 else h
+        avg = lambda k: sum(r[k] for r in steady) / len(steady) if steady else None  # noqa: E731
+        return {"ok": True, "output": str(self.out), "steps": self.step,
+                "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
+                "tokens_per_s": avg("tokens_per_s"), "mfu": avg("mfu"),
+                "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
+                "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
+                "world_size": self.world.size, "global_batch": self.global_batch}
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, file=sys.stderr)
+
+
+def train(cfg: RunConfig, resume: bool = False, on_step=None, log=None) -> dict:
+    return Trainer(cfg, resume=resume, log=log).run(on_step=on_step)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_train_flags(parser) -> None:
+    """The flags `labkit train` and `labkit launch` share."""
+    parser.add_argument("--config", help="run config YAML (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.lr=1e-3 (repeatable)")
+    parser.add_argument("--steps", type=int, help="stop after this step, counted from the start of training")
+    parser.add_argument("--micro-batch", type=int, help="samples per worker per micro-step")
+    parser.add_argument("--accum", type=int, help="gradient-accumulation micro-steps")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--output", help="run folder (checkpoints, metrics.jsonl)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest full checkpoint in --output")
+
+
+def config_from_args(args) -> RunConfig:
+    sets = list(args.set)
+    for flag, key in (("steps", "train.steps"), ("micro_batch", "train.micro_batch"), ("accum", "train.accum"),
+                      ("seed", "train.seed"), ("output", "output_dir")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            sets.append(f"{key}={value}")
+    return load_run_config(args.config or "configs/tiny_cpu.yaml", sets)
+
+
+def add_cli(parser) -> None:
+    add_train_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the run summary)")
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from labkit.output import emit
+
+    cfg = config_from_args(args)
+    summary = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0) == 0:
+        text = (f"trained to step {summary['steps']}: loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
+                f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}\n"
+                f"metrics: {cfg.output_dir}/metrics.jsonl\ncheckpoint: {summary['checkpoint']}")
+        emit(args, summary, text)
+    return 0
+
+
+def train_in_subprocess(config: str = "configs/tiny_cpu.yaml", sets: list[str] | tuple = (),
+                        timeout: float = 1800) -> dict:
+    """Run `labkit train --json` in a fresh process and return its summary plus `pool_peak_mb`, MindSpore's
+    memory-pool peak (a step's live tensors). Memory comparisons need one process per configuration."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
+    for s in sets:
+        cmd += ["--set", s]
+    from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
+
+    env = {**os.environ, "GLOG_v": "3", **POOL_STATS_ENV}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"ok": False, "error": p.stderr[-2000:]}
+    result["pool_peak_mb"] = pool_peak_mb(p.stdout + p.stderr)
+    if p.returncode or not result.get("ok", False):
+        raise LabkitFailure(f"labkit train {' '.join(sets)} failed: {result.get('error')}",
+                            "run the same command in a terminal to see the whole log")
+    return result

@@ -1,0 +1,171 @@
+"""The package's layering rules, checked on the source (AST), so `make test` fails when one is broken.
+
+Layers, bottom to top; a module imports only from its own layer or below, and the packages that share a layer
+(weights, data, parallel) do not import each other:
+
+    base       errors paths io output logs
+    config     config
+    model      model/
+    domain     weights/  data/  parallel/
+    training   training/
+    launch     launch/
+    doctor     doctor/
+    course     course/
+    entry      cli  __main__  launch/__main__   (dispatch only)
+
+Also: only entry points import the CLI; no private name (`_x`) is taken from another module; no import cycle;
+the trainer does not use the planner; the data layer neither builds nor trains a model."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LAYERS = [
+    ("base", ["errors", "paths", "io", "output", "logs"]),
+    ("config", ["config"]),
+    ("model", ["model"]),
+    ("domain", ["weights", "data", "parallel"]),
+    ("training", ["training"]),
+    ("launch", ["launch"]),
+    ("doctor", ["doctor"]),
+    ("course", ["course"]),
+    ("entry", ["cli", "__main__", "launch.__main__"]),
+]
+FORBIDDEN = [  # (importer prefix, imported prefix, why)
+    ("training", "parallel.planner", "the trainer does not depend on the planner"),
+    ("data", "model", "the data layer does not build a model"),
+    ("data", "training", "the data layer does not train a model"),
+]
+
+
+def modules(pkg: Path) -> dict[str, Path]:
+    out = {}
+    for f in pkg.rglob("*.py"):
+        name = ".".join(f.relative_to(pkg).with_suffix("").parts)
+        out[name.removesuffix(".__init__") if name != "__init__" else ""] = f
+    return out
+
+
+def place(mod: str) -> tuple[int, str]:
+    """(layer index, package within the layer) of a module name relative to the package."""
+    best = None
+    for i, (_, members) in enumerate(LAYERS):
+        for m in members:
+            if mod == m or mod.startswith(m + "."):
+                if best is None or len(m) > len(best[1]):
+                    best = (i, m)
+    if best is None:
+        raise ValueError(f"module '{mod}' is in no layer: add it to LAYERS in tests/layering.py")
+    return best
+
+
+def imports(f: Path, mod: str, known: set[str], pkg_name: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of the package, also inside functions."""
+    tree = ast.parse(f.read_text(encoding="utf-8"))
+    here = mod.split(".") if f.name != "__init__.py" else mod.split(".") + ["_"]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == pkg_name or (node.module or "").startswith(pkg_name + "."):
+                target = node.module[len(pkg_name) + 1:]
+            else:
+                continue
+            for a in node.names:
+                full = f"{target}.{a.name}".strip(".")
+                if full in known:
+                    out.append((full, None, node.lineno))
+                else:
+                    out.append((target, a.name, node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith(pkg_name + "."):
+                    out.append((a.name[len(pkg_name) + 1:], None, node.lineno))
+    return out
+
+
+def violations(pkg: Path) -> list[str]:
+    """Every broken rule in the package at `pkg`, one line each (empty when the layering holds)."""
+    mods = modules(pkg)
+    known = set(mods)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    bad = []
+    for mod, f in mods.items():
+        if not mod:
+            continue
+        li, lp = place(mod)
+        for target, name, line in imports(f, mod, known, pkg.name):
+            where = f"{f.relative_to(pkg.parent)}:{line}"
+            if target and target != mod:
+                graph[mod].add(target)
+            if not target or target == mod or target not in known:
+                continue
+            ti, tp = place(target)
+            if target == "cli" and LAYERS[li][0] != "entry":
+                bad.append(f"{where}: {mod} imports the CLI (only entry points may)")
+            if ti > li:
+                bad.append(f"{where}: {mod} ({LAYERS[li][0]}) imports {target} ({LAYERS[ti][0]}), a higher layer")
+            elif ti == li and tp != lp and LAYERS[li][0] not in ("base", "entry"):
+                bad.append(f"{where}: {mod} imports {target}: {lp} and {tp} share a layer and stay independent")
+            if name and name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{where}: {mod} imports the private name {target}.{name}")
+            for a, b, why in FORBIDDEN:
+                if (mod == a or mod.startswith(a + ".")) and (target == b or target.startswith(b + ".")):
+                    bad.append(f"{where}: {mod} imports {target}: {why}")
+        bad += private_attributes(f, mod, known, pkg.name)
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return bad
+
+
+def private_attributes(f: Path, mod: str, known: set[str], pkg_name: str) -> list[str]:
+    """`other._x` where `other` is a module of the package bound by an import."""
+    tree = ast.parse(f.read_text(encoding="utf-8"))
+    alias = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(pkg_name)):
+            for a in node.names:
+                base = (node.module or "").removeprefix(pkg_name).strip(".")
+                full = f"{base}.{a.name}".strip(".")
+                if full in known and full != mod:
+                    alias[a.asname or a.name] = full
+    return [f"{f.relative_to(f.parents[len(mod.split('.'))])}:{n.lineno}: {mod} uses the private name "
+            f"{alias[n.value.id]}.{n.attr}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in alias
+            and n.attr.startswith("_") and not n.attr.startswith("__")]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles (one per strongly connected component of more than one module), by Tarjan's algorithm."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
