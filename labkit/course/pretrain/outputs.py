@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 from labkit.io import atomic_write_text
 from labkit.course.pretrain.params import DEFAULTS
-from labkit.course.pretrain.runspec import PretrainRun, recompute_fraction
+from labkit.course.pretrain.layouts import recompute_fraction
+from labkit.course.pretrain.runspec import PretrainRun
 
 
 def layout_table(run: PretrainRun, top: int = 8):
