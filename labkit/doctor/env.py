@@ -389,9 +389,11 @@ def run_python(code: str, *, home: str | os.PathLike | None = None, timeout: flo
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     parser.add_argument("--model-dir", dest="model_dirs", action="extend", nargs="+", default=[], metavar="PATH",
                         help="a Hugging Face model directory to check (config.json model_type/architectures)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(parser)
     parser.set_defaults(func=_cli)
 
 

@@ -446,6 +446,8 @@ def model_from_config_file(path) -> tuple[ModelConfig, dict]:
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="model preset (tiny, llama_100m, llama2_7b)")
     src.add_argument("--config", help="a labkit run config YAML with a model: section")
@@ -464,7 +466,7 @@ def add_cli(parser) -> None:
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
     parser.add_argument("--no-flash-attention", action="store_true", help="model attention without flash attention")
     parser.add_argument("--top", type=int, default=15, help="rows of the table (human output)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common_flags(parser, "print one JSON object")
     parser.set_defaults(func=_cli)
 
 

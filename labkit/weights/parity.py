@@ -246,13 +246,15 @@ def make_variant(src: str | Path, dst: str | Path, *, drop: tuple = (), transpos
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     parser.add_argument("--hf", required=True, help="HF model directory (run with torch, float32)")
     parser.add_argument("--ms", required=True, help="converted directory (model.ckpt + model.yaml)")
     parser.add_argument("--seq-len", type=int, default=32, help="prompt length in tokens (default 32)")
     parser.add_argument("--gen-tokens", type=int, default=8, help="greedy tokens to generate and compare (default 8)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"max |logit diff| (default {TOLERANCE})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fixed token ids")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(parser)
     parser.set_defaults(func=_cli)
 
 
