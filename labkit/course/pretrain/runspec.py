@@ -12,7 +12,10 @@
 
 Parameters are the config fields' own names (PARAMETERS: one glossary for YAML, CLI, papermill and widgets).
 A parameter left None takes the preset's config value; dp/mp/pp left None are chosen by the planner
-(labkit.parallel.planner), which also judges memory: a layout that does not fit stops the notebook before anything starts.
+(labkit.parallel.planner), which also judges memory: a layout that does not fit stops the notebook before anything
+starts. resolve() runs in stages, each checking its part and returning a frozen dataclass: Settings (the typed
+parameters and the config they give), Placement (devices, nodes, memory), Pinned (what the parameters fix of the
+layout and the batch), Search (the planner's rows, best first); then the final config.
 """
 from __future__ import annotations
 
