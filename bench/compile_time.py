@@ -82,11 +82,13 @@ def worker(variant: str, accum: int, steps: int, output: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--accum", type=int, nargs="+", default=[1, 4], help="accumulation counts (global batch 8)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--output", default="runs/bench/compile_time")
-    ap.add_argument("--json", action="store_true")
+    add_common_flags(ap)
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "ACCUM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
         b["max_loss_diff"] = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
     result = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "rows": rows}
     if args.json:
-        print(json.dumps(result))
+        emit(args, result)
         return 0
     print(f"{'variant':10} {'accum':>5} {'first step (s)':>15} {'steady step (s)':>16} {'loops/hypermap':>15} "
           f"{'max |loss diff|':>16}")

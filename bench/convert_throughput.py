@@ -145,13 +145,15 @@ def run_child(method: str, src: Path, dst: Path, *extra: str) -> dict:
 
 
 def main() -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=int, default=400, help="checkpoint size to create (MB)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--shard-mb", type=int, default=200, help="safetensors shard size (MB)")
     ap.add_argument("--tinyllama", action="store_true", help="use TinyLlama-1.1B's shape (ignores --size-mb)")
     ap.add_argument("--parity", action="store_true", help="also run logits parity HF vs converted (slow)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common_flags(ap)
     ap.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child and args._child[0] == "make":
@@ -190,7 +192,7 @@ def main() -> int:
                   machine=f"{platform.machine()}, {psutil.cpu_count()} cores, "
                           f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM")
     if args.json:
-        print(json.dumps(result))
+        emit(args, result)
         return 0
     print(f"checkpoint: {result['checkpoint_mb']} MB {args.dtype} in {info['shards']} shards "
           f"(largest tensor {result['largest_tensor_mb']} MB, largest shard {result['largest_shard_mb']} MB); "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +29,8 @@ def best_of(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -38,10 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8, help="for the step-time comparison")
     ap.add_argument("--no-model-step", action="store_true")
-    ap.add_argument("--json", action="store_true")
+    add_common_flags(ap)
     args = ap.parse_args(argv)
 
-    out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         from labkit.data import bench as data_bench
         from labkit.training import steptime
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                                                                                            args.micro_batch))
         r["claims"] = claims
     if args.json:
-        out.write(json.dumps(r, default=str) + "\n")
+        emit(args, r)
     else:
         print(data_bench.format_table(r))
         print()

@@ -25,16 +25,17 @@ os.environ.setdefault("GLOG_v", "3")
 
 
 def main(argv=None) -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2, help="data-parallel workers (compared with 1)")
     ap.add_argument("--micro-batch", type=int, default=4, help="b: samples per data-parallel worker per step")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=20, help="timed all-reduce calls")
     ap.add_argument("--output", default="runs/bench/dp_scaling")
-    ap.add_argument("--json", action="store_true")
+    add_common_flags(ap)
     args = ap.parse_args(argv)
 
-    out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         from labkit.launch import launcher as launch
         from labkit.launch import probe
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
                   "comm_share": g["median_s"] / runs[n]["step_s"], "sizes": probe["sizes"]}
 
     if args.json:
-        out.write(json.dumps(result) + "\n")
+        emit(args, result)
         return 0
     print(f"{'workers':>7} {'micro_batch':>11} {'global':>6} {'tokens/s':>9} {'step s':>7} {'1st step s':>10}")
     for r in result["runs"]:

@@ -22,6 +22,7 @@ per configuration; a child ends like a normal interpreter so MindSpore prints it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -216,10 +217,12 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ci", action="store_true", help="the CI-sized set (5 configurations, 3 steps each)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per configuration (>= 2)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common_flags(ap)
     ap.add_argument("--out", default=None, help="also write the JSON here (default runs/bench/plan_calibration.json "
                     "with --ci, runs/bench/plan_calibration_full.json without)")
     args = ap.parse_args(argv)
@@ -248,8 +251,8 @@ def main(argv=None) -> int:
         result, text = {"ok": False, "error": f"{type(e).__name__}: {e}"}, f"calibration failed: {e}"
     if real_stdout is not None:  # write the JSON to the saved stdout; fd 1 stays on stderr, because MindSpore
         print(text, file=sys.stderr, flush=True)  # prints its settings again when the process ends
-        with os.fdopen(real_stdout, "w") as out:
-            out.write(json.dumps(result) + "\n")
+        with os.fdopen(real_stdout, "w") as out, contextlib.redirect_stdout(out):
+            emit(args, result)
     else:
         print(text)
     return 0 if result["ok"] else 1

@@ -82,13 +82,15 @@ def ms_side(preset: str, steps: int, micro_batch: int, seq_len: int, skip: int, 
 
 
 def main(argv=None) -> int:
+    from labkit.output import add_common_flags, emit
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=3, help="first steps excluded (compile, warm-up)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--json", action="store_true")
+    add_common_flags(ap)
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.torch_worker:
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
         "machine": f"{os.cpu_count()} CPU cores",
     }
     if a.json:
-        print(json.dumps(result))
+        emit(a, result)
     else:
         print(f"{'':22}{'MindSpore (labkit)':>20}{'PyTorch + HF':>16}")
         print(f"{'tokens/s':22}{result['ms_tokens_per_s']:>20.0f}{result['torch_tokens_per_s']:>16.0f}")

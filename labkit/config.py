@@ -31,18 +31,7 @@ def coerce(value: Any, tp, where: str):
     """Check (and gently convert) one value against a type annotation."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, where)
-            except LabkitError as e:
-                errors.append(e)
-        raise errors[0]
+        return _coerce_union(value, typing.get_args(tp), where)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -58,39 +47,66 @@ def coerce(value: Any, tp, where: str):
             raise LabkitError(f"{where} must be a mapping, got {value!r}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        return load(tp, value, where)
+        return value if isinstance(value, tp) else load(tp, value, where)
     if tp is Any:
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise LabkitError(f"{where} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise LabkitError(f"{where} must be an integer, got {value!r}")
+    scalar = _SCALARS.get(tp) if isinstance(tp, type) else None
+    if scalar is None:
+        raise LabkitError(f"{where}: unsupported type {_type_name(tp)}")
+    return scalar(value, where)
+
+
+def _coerce_union(value: Any, args: tuple, where: str):
+    """The first member of `X | Y | None` that takes the value; else the first member's error."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
         try:
-            f = float(value)
-        except ValueError:
-            raise LabkitError(f"{where} must be an integer, got {value!r}") from None
-        if not math.isfinite(f) or f != int(f):
-            raise LabkitError(f"{where} must be an integer, got {value!r}")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise LabkitError(f"{where} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise LabkitError(f"{where} must be a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise LabkitError(f"{where} must be a string, got {value!r}")
-        return str(value)
-    raise LabkitError(f"{where}: unsupported type {_type_name(tp)}")
+            return coerce(value, arg, where)
+        except LabkitError as e:
+            errors.append(e)
+    raise errors[0]
+
+
+def _to_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+        return value.lower() in ("true", "yes", "1", "on")
+    raise LabkitError(f"{where} must be true or false, got {value!r}")
+
+
+def _to_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise LabkitError(f"{where} must be an integer, got {value!r}")
+    try:
+        f = float(value)
+    except ValueError:
+        raise LabkitError(f"{where} must be an integer, got {value!r}") from None
+    if not math.isfinite(f) or f != int(f):
+        raise LabkitError(f"{where} must be an integer, got {value!r}")
+    return int(f)
+
+
+def _to_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise LabkitError(f"{where} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise LabkitError(f"{where} must be a number, got {value!r}") from None
+
+
+def _to_str(value: Any, where: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise LabkitError(f"{where} must be a string, got {value!r}")
+    return str(value)
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def load(cls, data: dict | None, where: str = ""):

@@ -9,11 +9,20 @@ import os
 import sys
 
 
-def common_flags() -> argparse.ArgumentParser:
-    """The parent parser of every command: the flags all of them share."""
+JSON_HELP = "print one JSON object on stdout"
+
+
+def common_flags(json_help: str = JSON_HELP) -> argparse.ArgumentParser:
+    """The parent parser of every command: the flags all of them share (`json_help` may say what the object is)."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parent.add_argument("--json", action="store_true", help=json_help)
     return parent
+
+
+def add_common_flags(parser: argparse.ArgumentParser, json_help: str = JSON_HELP) -> None:
+    """Give a command's parser the flags of common_flags() at this point of its help (`parents=` would list them
+    first, and a subcommand's parser already exists when its module's add_cli receives it)."""
+    parser._add_container_actions(common_flags(json_help))
 
 
 @contextlib.contextmanager

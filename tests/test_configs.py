@@ -5,7 +5,8 @@ import typing
 import pytest
 
 from labkit.course import pretrain
-from labkit.config import RunConfig, load_run_config, read_yaml
+from labkit.config import AMP_LEVELS, RunConfig, TrainConfig, coerce, load_run_config, read_yaml
+from labkit.errors import LabkitError
 from labkit.paths import CONFIGS, NOTEBOOKS
 
 NOT_RUN_CONFIGS = {"compat.yaml"}  # the doctor's compatibility table
@@ -118,3 +119,34 @@ def test_seed_recipe_verdicts_match_its_comments():
     assert (t.beta1, t.beta2, t.amp_level, t.recompute) == (0.9, 0.95, "O2", "last:16")
     assert (cfg.data.num_parallel_workers, cfg.data.prefetch, cfg.parallel.dp) == (16, 64, 8)
     assert t.micro_batch * cfg.parallel.dp * t.accum == 512 and cfg.parallel.optimizer_shard
+
+
+@pytest.mark.parametrize("tp, value, want", [
+    (int, "3", 3), (int, 2.0, 2), (float, "1e3", 1000.0), (bool, "Yes", True), (bool, "off", False),
+    (str, 5, "5"), (int | None, None, None), (typing.Optional[float], "0.5", 0.5), (float | str, "x", "x"),
+    (list[int], ("1", 2.0), [1, 2]), (typing.Literal["O0", "O2"], "O2", "O2"), (dict, {"a": 1}, {"a": 1}),
+    (typing.Any, object, object),
+])
+def test_coerce_converts_gently(tp, value, want):
+    assert coerce(value, tp, "x") == want
+
+
+@pytest.mark.parametrize("tp, value, says", [
+    (int, 1.5, "x must be an integer"), (int, True, "x must be an integer"), (int, "inf", "x must be an integer"),
+    (float, False, "x must be a number"), (bool, "maybe", "x must be true or false"), (str, [1], "x must be a string"),
+    (list[int], 3, "x must be a list"), (list[int], [1, "a"], "x[1] must be an integer"),
+    (typing.Literal["O0"], "O9", "x = 'O9' is not allowed"), (dict, [], "x must be a mapping"),
+    (int | None, "a", "x must be an integer"), (set, {1}, "x: unsupported type set"),
+])
+def test_coerce_names_the_field_when_it_refuses(tp, value, says):
+    with pytest.raises(LabkitError) as e:
+        coerce(value, tp, "x")
+    assert says in e.value.what
+
+
+def test_amp_levels_are_one_table():
+    """The planner's precision per AMP level is derived from labkit.config.AMP_LEVELS, which lists every level
+    TrainConfig.amp_level accepts."""
+    assert set(typing.get_args(typing.get_type_hints(TrainConfig)["amp_level"])) == set(AMP_LEVELS)
+    assert pretrain.AMP_PRECISION == {"O0": ("fp32", False), "O1": ("fp32", False), "O2": ("fp16", True),
+                                      "O3": ("fp16", False)}

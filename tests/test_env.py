@@ -202,3 +202,17 @@ def test_doctor_exit_status_is_0_without_problems_and_1_with(monkeypatch, capsys
         monkeypatch.setattr(env, "format_report", lambda r: "")
         assert args.func(args) == status and seen["dirs"] == ["a", "b", "c"]
         assert json.loads(capsys.readouterr().out) == {"problems": problems}
+
+
+def test_findings_come_in_stage_order_and_only_problems_break_compatibility():
+    """assess adds the judge's stages up: packages, MindSpore's table, mindformers' map, pins, devices."""
+    from labkit.doctor import judge
+
+    f = facts(versions={"torch": None, "mindspore": "2.7.2"}, hardware={"npus": ["davinci0"], "cann": "7.0"},
+              devices={"CPU": {"works": False, "error": "boom"}})
+    problems, warnings, ok = env.assess(f, COMPAT, VMAP)
+    assert not ok
+    assert [p["what"].split()[0] for p in problems] == ["torch", "mindformers", "MindSpore"]
+    assert [w["what"].split()[0] for w in warnings] == ["!!!", "CANN"]
+    only_devices = judge.devices(f, COMPAT, VMAP)
+    assert list(only_devices.problems) == problems[-1:] and list(only_devices.warnings) == warnings[-2:]

@@ -72,6 +72,15 @@ def test_vocab_mismatch_and_bad_windows(pair, tmp_path):
         parity.run_parity(hf, ms, seq_len=250, gen_tokens=10)
 
 
+def test_config_diff_says_when_it_could_not_compare(tmp_path):
+    """An unreadable config.json is not "the configs agree" (that is {})."""
+    missing = parity.config_diff(tmp_path / "nowhere", tmp_path / "ms")
+    assert list(missing) == ["not_compared"] and "config.json" in missing["not_compared"]
+    (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
+    broken = parity.config_diff(tmp_path, tmp_path / "ms")
+    assert broken != {} and "JSONDecodeError" in broken["not_compared"]
+
+
 def test_size_limit_statement():
     s = parity.size_limit(24 * 2**30)
     assert 3e9 < s["max_params"] < 5e9 and "GiB" in s["text"]

@@ -155,6 +155,59 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
     assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
 
 
+def _yaml_as_once_written(s: dict, parallel_mode: int, search_mode: str, sequence_parallel: bool) -> str:
+    """The text mindformers_parallel_yaml wrote with f-strings before it became a mapping dumped by safe_dump."""
+    b = lambda v: "True" if v else "False"  # noqa: E731
+    pipeline = s["pp"] > 1
+    return f"""\
+use_parallel: True
+parallel:
+  parallel_mode: {parallel_mode}  # 0 data, 1 semi-auto, 2 auto parallel
+  gradients_mean: False
+  enable_alltoall: False
+  full_batch: True
+  search_mode: "{search_mode}"  # used by auto_parallel only
+  enable_parallel_optimizer: {b(s['optimizer_shard'])}  # shard optimizer states (and weights) over dp
+  strategy_ckpt_save_file: "./ckpt_strategy.ckpt"
+  parallel_optimizer_config:
+    gradient_accumulation_shard: False
+    parallel_optimizer_threshold: 64
+parallel_config:
+  data_parallel: {s['dp']}
+  model_parallel: {s['mp']}
+  pipeline_stage: {s['pp']}
+  use_seq_parallel: {b(sequence_parallel)}
+  micro_batch_num: {s['accum'] if pipeline else 1}  # pipeline micro-batches per step (>= pipeline_stage)
+  vocab_emb_dp: True
+  gradient_aggregation_group: 4
+micro_batch_interleave_num: 1
+recompute_config:
+  recompute: {b(s['recompute'] == 'full')}
+  select_recompute: {b(s['recompute'] == 'selective')}
+  parallel_optimizer_comm_recompute: False
+  mp_comm_recompute: True
+  recompute_slice_activation: True
+runner_config:
+  batch_size: {s['micro_batch']}  # per device and micro-step
+  gradient_accumulation_steps: {1 if pipeline else s['accum']}
+"""
+
+
+def test_yaml_mapping_equals_the_text_it_replaced(plan8):
+    """Every planned strategy gives the same YAML document (parsed) as the f-string text did, key order included,
+    and the written text parses back to the mapping."""
+    for row in plan8["strategies"]:
+        for mode, number in mf_yaml.PARALLEL_MODES.items():
+            for search, seq_par in (("sharding_propagation", False), ("recursive_programming", True)):
+                options = dict(parallel_mode=mode, search_mode=search, sequence_parallel=seq_par)
+                doc = mf_yaml.mindformers_parallel_config(row, **options)
+                old = yaml.safe_load(_yaml_as_once_written(row, number, search, seq_par))
+                assert doc == old and list(doc) == list(old)
+                assert yaml.safe_load(mf_yaml.mindformers_parallel_yaml(row, **options)) == doc
+    with pytest.raises(LabkitError, match="search_mode 'greedy'"):
+        mf_yaml.mindformers_parallel_config(plan8["best"], search_mode="greedy")
+
+
 def test_msrun_command(plan8):
     best = plan8["best"]
     assert msrun.msrun_command(best).startswith("msrun --worker_num=8 --local_worker_num=8 --master_port=8118")

@@ -172,6 +172,81 @@ def test_figure_and_status_line():
     assert "step 5/10" in pretrain.status_line(rows, 10) and "waiting" in pretrain.status_line([], 10)
 
 
+class FakeDisplay:
+    """IPython's display(obj, display_id=True) as a log of what was shown and updated, per handle."""
+
+    def __init__(self):
+        self.log = []
+
+    def __call__(self, obj, display_id=True):
+        display, n = self, len(self.log)
+
+        class Handle:
+            def update(self, new):
+                display.log.append((n, "update", new))
+
+        self.log.append((n, "display", obj))
+        return Handle()
+
+    def texts(self) -> list[str]:
+        return [repr(o) for _, _, o in self.log if type(o).__name__ == "Text"]
+
+    def images(self) -> list[bytes]:
+        return [o.data for _, _, o in self.log if type(o).__name__ == "Image"]
+
+
+ROWS = [{"step": i, "loss": 8 - i / 10, "tokens_per_s": 3000.0, "mfu": 0.5, "peak_mem_mb": 2000.0, "lr": 1e-3,
+         "grad_norm": 1.0} for i in range(1, 6)]
+
+
+def test_live_plot_and_follower_share_one_view(monkeypatch, tmp_path):
+    """LivePlot (an on_step callback) and Follower (metrics.jsonl of another process) both redraw a LiveView."""
+    from labkit.course import plots
+
+    shown = FakeDisplay()
+    monkeypatch.setattr(plots, "display_function", lambda: shown)
+    live = plots.LivePlot(every=2, label="run")
+    for r in ROWS:
+        live(r)
+    live.close()
+    assert [kind for _, kind, _ in shown.log] == ["display", "update", "update", "update"]  # steps 2, 4, close
+    assert all(png[:4] == b"\x89PNG" for png in shown.images())
+
+    shown = FakeDisplay()
+    monkeypatch.setattr(plots, "display_function", lambda: shown)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]) + '{"step": 4, "lo', encoding="utf-8")
+    f = pretrain.Follower(metrics, steps=10)
+    assert isinstance(f.view, plots.LiveView) and "waiting for step 1 of 10" in shown.texts()[0]
+    f.poll()
+    f.poll()  # nothing new: no redraw
+    assert shown.texts()[-1].startswith("step 3/10") and len(shown.images()) == 2
+
+
+def test_follower_reports_a_failure_once_and_keeps_following(monkeypatch, tmp_path, capsys):
+    from labkit.course import plots
+
+    shown = FakeDisplay()
+    monkeypatch.setattr(plots, "display_function", lambda: shown)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 7.0}) + "\n", encoding="utf-8")  # no tokens_per_s
+    f = pretrain.Follower(metrics, steps=10)
+    f.poll()
+    metrics.write_text(metrics.read_text() + json.dumps({"step": 2, "loss": 6.9}) + "\n", encoding="utf-8")
+    f.poll()
+    warnings = [t for t in shown.texts() if t.startswith("warning:")]
+    assert len(warnings) == 1 and "KeyError" in warnings[0] and str(metrics) in warnings[0]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    f.poll()
+    assert shown.texts()[-1].startswith("step 5/10")
+
+    monkeypatch.setattr(plots, "display_function", lambda: None)  # no kernel: the warning goes to stderr
+    f = pretrain.Follower(tmp_path / "missing" / "metrics.jsonl", steps=3)
+    f.view.warn("first")
+    f.view.warn("second")
+    assert f.view.warning == "first" and capsys.readouterr().err == "warning: first\n"
+
+
 def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
     from labkit.course import widgets
 

@@ -139,11 +139,13 @@ def write_summary(out_dir: Path, results: list[NotebookResult], params: dict) ->
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     parser.add_argument("--params", help="YAML file: a flat mapping of notebook parameters (applied where declared)")
     parser.add_argument("--only", nargs="+", metavar="NN", help="run only these notebooks (e.g. --only 00 04)")
     parser.add_argument("--output", help="run folder (default: runs/run-<timestamp>)")
     parser.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common_flags(parser, "print one JSON object")
     parser.set_defaults(func=_cli)
 
 

@@ -6,6 +6,8 @@ from labkit.data.dataset import build_dataset, format_build
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     b = sub.add_parser("build", help="tokenise a corpus offline and pack it into a MindRecord dataset")
     b.add_argument("--corpus", nargs="+", required=True, help=".txt/.jsonl files (or .gz) or directories")
@@ -16,7 +18,7 @@ def add_cli(parser) -> None:
     b.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl files")
     b.add_argument("--split-on-blank-lines", action="store_true", help=".txt: one document per blank-line block")
     b.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(b)
     b.set_defaults(func=_cli_build)
 
     n = sub.add_parser("bench", help="tokens/s: on-the-fly tokenisation (GeneratorDataset) vs packed MindRecord")
@@ -26,7 +28,7 @@ def add_cli(parser) -> None:
     n.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="num_parallel_workers values")
     n.add_argument("--prefetch", type=int, nargs="+", default=[16, 64], help="prefetch sizes (MindRecord loader)")
     n.add_argument("--max-docs", type=int, default=None, help="documents for the on-the-fly runs (default: all)")
-    n.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(n)
     n.set_defaults(func=_cli_bench)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 

@@ -412,6 +412,8 @@ def resize_embeddings(model_dir, vocab_size: int, output, *, allow_shrink: bool 
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     t = sub.add_parser("train", help="train a Llama-style SentencePiece BPE tokenizer (HF directory)")
     t.add_argument("--corpus", nargs="+", required=True, help=".txt/.jsonl files (or .gz) or directories")
@@ -424,7 +426,7 @@ def add_cli(parser) -> None:
     t.add_argument("--normalization", default="identity",
                    help="SentencePiece normaliser; identity keeps HF fast/slow/mindformers aligned")
     t.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(t)
     t.set_defaults(func=_cli_train)
 
     c = sub.add_parser("compare", help="encode a texts file with two tokenizers and report every difference")
@@ -434,7 +436,7 @@ def add_cli(parser) -> None:
     c.add_argument("--b-impl", choices=IMPLS, default="hf", help="implementation for B")
     c.add_argument("--texts", required=True, help="UTF-8 file, one text per line")
     c.add_argument("--max-examples", type=int, default=10, help="mismatching texts to show")
-    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(c)
     c.set_defaults(func=_cli_compare)
 
     r = sub.add_parser("resize-embeddings", help="grow a converted checkpoint's vocabulary (mean-initialised rows)")
@@ -443,7 +445,7 @@ def add_cli(parser) -> None:
     r.add_argument("--output", required=True, help="directory to write (atomically)")
     r.add_argument("--allow-shrink", action="store_true", help="allow dropping rows when N is smaller")
     r.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    r.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(r)
     r.set_defaults(func=_cli_resize)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 

@@ -2,8 +2,8 @@
 and whether model-type registrations clash.
 
 Facts are collected first (`collect_*`, `probe_devices`, `hf_registry`, `mf_registry`, `read_model_dir`), then
-judged by pure functions (`assess`, `check_model_dirs`, `check_environment_sync`) so tests can feed them any
-machine. Each finding is `{"what": ..., "fix": ...}`: a problem (exit status 1) or a warning.
+judged by pure functions (`assess` from labkit.doctor.judge, `check_model_dirs`, `check_environment_sync`) so tests
+can feed them any machine. Each finding is `{"what": ..., "fix": ...}`: a problem (exit status 1) or a warning.
 """
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ from labkit.paths import CONFIGS, ROOT, RUNS
 from labkit.doctor.registries import check_model_dirs, hf_registry, mf_registry, read_model_dir, shadowed_registrations
 from labkit.doctor.registries import issue
 
-PACKAGES = ("mindspore", "mindformers", "torch", "transformers", "numpy")
-TARGETS = ("CPU", "GPU", "Ascend")
+from labkit.doctor.judge import INSTALL_FIX, PACKAGES, TARGETS, assess  # noqa: F401 - assess: part of this module's API
+
 SEED_CACHE = Path("~/.cache/mindspore/transformers")  # the cache directory a seed article blames (never used)
-INSTALL_FIX = "recreate the environment from the lab's pins: `make venv` (or pip install -e '.[lab,test]')"
 
 
 # ------------------------------------------------------------------------------------------- versions, tables
@@ -278,79 +277,7 @@ def cache_and_log_dirs() -> tuple[dict, dict]:
     return caches, logs
 
 
-# ------------------------------------------------------------------------------------------------- judgement
-
-
-def assess(facts: dict, compat: dict, vmap: dict | None) -> tuple[list[dict], list[dict], bool]:
-    """Judge the collected facts: (problems, warnings, compatible). `compatible` is False only when the
-    versions or devices cannot work together (model-directory problems do not touch it)."""
-    from packaging.requirements import Requirement
-    from packaging.specifiers import SpecifierSet
-
-    v, problems, warnings = facts["versions"], [], []
-    py_minor = ".".join(v["python"].split(".")[:2])
-    for name in PACKAGES:
-        if v.get(name) is None:
-            problems.append(issue(f"{name} is not installed in {sys.prefix}", INSTALL_FIX))
-    requires_python, deps = facts.get("requires_python"), facts.get("dependencies", [])
-    if requires_python and not SpecifierSet(requires_python).contains(v["python"]):
-        problems.append(issue(f"Python {v['python']} is outside the lab's requires-python '{requires_python}'",
-                              "create the environment with Python 3.11 (`make venv PYTHON=python3.11`)"))
-    ms, mf = v.get("mindspore"), v.get("mindformers")
-    row = compat["mindspore"].get(ms) if ms else None
-    if ms and row is None:
-        warnings.append(issue(f"mindspore {ms} is not in the lab's table (configs/compat.yaml)",
-                              "use the pinned mindspore, or add a row with its sources"))
-    elif row and py_minor not in row.get("python", []):
-        problems.append(issue(f"mindspore {ms} has no wheel for Python {py_minor} (wheels: {row['python']})",
-                              f"use Python {row['python'][-1]} or another mindspore release"))
-    if mf and ms and vmap:
-        entry = vmap.get("mf", {}).get(mf)
-        if entry is None:
-            warnings.append(issue(f"mindformers {mf} is not in its own VERSION_MAP.json", INSTALL_FIX))
-        elif ms not in entry.get("support", []):
-            problems.append(issue(f"mindformers {mf} supports mindspore {entry['support']} (VERSION_MAP.json), "
-                                  f"but mindspore {ms} is installed", f"pip install mindspore=={entry['prefer']}"))
-    for dep in deps:
-        req = Requirement(dep)
-        if req.marker or not req.specifier:
-            continue
-        try:
-            have = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            if req.name not in PACKAGES:
-                warnings.append(issue(f"{req.name} (pinned {req.specifier}) is not installed", INSTALL_FIX))
-            continue
-        if not req.specifier.contains(have, prereleases=True):
-            warnings.append(issue(f"{req.name} {have} does not match the lab's pin {req.specifier}", INSTALL_FIX))
-    dev, hw, plugins = facts["devices"], facts["hardware"], facts["plugins"]
-    if not dev["CPU"]["works"]:
-        problems.append(issue(f"MindSpore cannot run on CPU here: {dev['CPU']['error'] or 'the probe failed'}",
-                              INSTALL_FIX))
-    cuda_ok = compat["mindspore"].get(ms, {}).get("cuda") or plugins["gpu_cuda"]
-    if hw["nvidia_gpus"] and not dev["GPU"]["works"]:
-        found = ", ".join(hw["cuda_runtimes"]) or "none found"
-        warnings.append(issue(
-            f"!!! An NVIDIA GPU is visible ({', '.join(hw['nvidia_gpus'])}) but MindSpore can only use "
-            f"{', '.join(t for t in TARGETS if dev[t]['works']) or 'nothing'}: training would run on CPU, tens of "
-            f"times slower. The mindspore {ms} wheel has GPU plugins for CUDA {', '.join(cuda_ok) or 'none'}; "
-            f"CUDA runtime here: {found}. {dev['GPU']['error']}".strip(),
-            f"install a CUDA runtime the wheel supports ({' or '.join(cuda_ok) or 'see mindspore.cn/install'}) with "
-            "its cuDNN, put its lib64 on LD_LIBRARY_PATH, and check with "
-            "`python -c \"import mindspore as ms; ms.set_device('GPU'); ms.run_check()\"`"))
-    cann_row = (vmap or {}).get("ms", {}).get(ms, {}) if ms else {}
-    if hw["npus"] and not dev["Ascend"]["works"]:
-        warnings.append(issue(
-            f"!!! An Ascend NPU is visible ({len(hw['npus'])} device(s)) but MindSpore cannot use it: training "
-            f"would run on CPU, tens of times slower. CANN here: {hw['cann'] or 'not found'}. "
-            f"{dev['Ascend']['error']}".strip(),
-            f"install CANN {cann_row.get('prefer', '(see VERSION_MAP.json)')} for mindspore {ms} and "
-            "`source <ascend-toolkit>/set_env.sh` before starting Python"))
-    if hw["cann"] and cann_row and not any(hw["cann"].startswith(s) for s in cann_row.get("support", [])):
-        driver = (vmap or {}).get("cann", {}).get(cann_row["prefer"], {}).get("prefer", "?")
-        warnings.append(issue(f"CANN {hw['cann']} is installed; mindspore {ms} expects {cann_row['support']} "
-                              "(VERSION_MAP.json)", f"install CANN {cann_row['prefer']} with driver {driver}"))
-    return problems, warnings, not problems
+# --------------------------------------------------------------------------------------------- the whole check
 
 
 def doctor(model_dirs: list[str] | tuple = (), *, devices: bool = True, registries: bool = True) -> dict:
@@ -462,9 +389,11 @@ def run_python(code: str, *, home: str | os.PathLike | None = None, timeout: flo
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     parser.add_argument("--model-dir", dest="model_dirs", action="extend", nargs="+", default=[], metavar="PATH",
                         help="a Hugging Face model directory to check (config.json model_type/architectures)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(parser)
     parser.set_defaults(func=_cli)
 
 

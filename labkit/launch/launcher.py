@@ -277,6 +277,7 @@ def _bar(pl: PreparedLaunch, enabled: bool):
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
     from labkit.training.trainer import add_train_flags
 
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this node (default 2)")
@@ -290,7 +291,7 @@ def add_cli(parser) -> None:
     parser.add_argument("--kill-rank", type=int, help="fault drill: SIGKILL this rank ...")
     parser.add_argument("--kill-after-step", type=int, default=1, help="... once rank 0 has logged this step")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command, start nothing")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (the launch result)")
+    add_common_flags(parser, "print one JSON object (the launch result)")
     parser.set_defaults(func=_cli)
 
 

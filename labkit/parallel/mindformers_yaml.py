@@ -1,61 +1,54 @@
 """The parallel part of a mindformers run YAML (parallel, parallel_config, recompute_config) for a layout the
-planner chose, with the key names mindformers 1.9.0 reads."""
+planner chose, with the key names mindformers 1.9.0 reads: built as a mapping, written with yaml.safe_dump."""
 from __future__ import annotations
+
+import yaml
 
 from labkit.errors import LabkitError
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
+CONSTRAINT_KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")
+SEARCH_MODES = ("sharding_propagation", "recursive_programming")
 
 
-def mindformers_parallel_yaml(strategy: dict, *, parallel_mode: str = "semi_auto_parallel",
-                              search_mode: str = "sharding_propagation", sequence_parallel: bool = False) -> str:
+def mindformers_parallel_config(strategy: dict, *, parallel_mode: str = "semi_auto_parallel",
+                                search_mode: str = "sharding_propagation", sequence_parallel: bool = False) -> dict:
     """The `parallel`, `parallel_config`, `recompute_config` and `runner_config` blocks of a mindformers run YAML
     for a strategy (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml)."""
     if parallel_mode not in PARALLEL_MODES:
         raise LabkitError(f"parallel_mode '{parallel_mode}' is not known", f"use {', '.join(PARALLEL_MODES)}")
-    if search_mode not in ("sharding_propagation", "recursive_programming"):
-        raise LabkitError(f"search_mode '{search_mode}' is not known",
-                          "use sharding_propagation or recursive_programming")
+    if search_mode not in SEARCH_MODES:
+        raise LabkitError(f"search_mode '{search_mode}' is not known", f"use {' or '.join(SEARCH_MODES)}")
     s = {k: strategy[k] for k in CONSTRAINT_KEYS}
     pipeline = s["pp"] > 1
-    micro_batch_num = s["accum"] if pipeline else 1
-    accum_steps = 1 if pipeline else s["accum"]
-    b = lambda v: "True" if v else "False"  # noqa: E731 - mindformers YAML spells booleans this way
-    return f"""\
-# planned: dp={s['dp']} mp={s['mp']} pp={s['pp']}, micro_batch {s['micro_batch']} x {s['accum']} micro-steps, \
-recompute {s['recompute']}, optimizer_shard {s['optimizer_shard']}
-use_parallel: True
-parallel:
-  parallel_mode: {PARALLEL_MODES[parallel_mode]}  # 0 data, 1 semi-auto, 2 auto parallel
-  gradients_mean: False
-  enable_alltoall: False
-  full_batch: True
-  search_mode: "{search_mode}"  # used by auto_parallel only
-  enable_parallel_optimizer: {b(s['optimizer_shard'])}  # shard optimizer states (and weights) over dp
-  strategy_ckpt_save_file: "./ckpt_strategy.ckpt"
-  parallel_optimizer_config:
-    gradient_accumulation_shard: False
-    parallel_optimizer_threshold: 64
-parallel_config:
-  data_parallel: {s['dp']}
-  model_parallel: {s['mp']}
-  pipeline_stage: {s['pp']}
-  use_seq_parallel: {b(sequence_parallel)}
-  micro_batch_num: {micro_batch_num}  # pipeline micro-batches per step (>= pipeline_stage)
-  vocab_emb_dp: True
-  gradient_aggregation_group: 4
-micro_batch_interleave_num: 1
-recompute_config:
-  recompute: {b(s['recompute'] == 'full')}
-  select_recompute: {b(s['recompute'] == 'selective')}
-  parallel_optimizer_comm_recompute: False
-  mp_comm_recompute: True
-  recompute_slice_activation: True
-runner_config:
-  batch_size: {s['micro_batch']}  # per device and micro-step
-  gradient_accumulation_steps: {accum_steps}
-"""
+    return {
+        "use_parallel": True,
+        "parallel": {"parallel_mode": PARALLEL_MODES[parallel_mode], "gradients_mean": False,
+                     "enable_alltoall": False, "full_batch": True, "search_mode": search_mode,
+                     "enable_parallel_optimizer": bool(s["optimizer_shard"]),
+                     "strategy_ckpt_save_file": "./ckpt_strategy.ckpt",
+                     "parallel_optimizer_config": {"gradient_accumulation_shard": False,
+                                                   "parallel_optimizer_threshold": 64}},
+        "parallel_config": {"data_parallel": s["dp"], "model_parallel": s["mp"], "pipeline_stage": s["pp"],
+                            "use_seq_parallel": bool(sequence_parallel),
+                            "micro_batch_num": s["accum"] if pipeline else 1,
+                            "vocab_emb_dp": True, "gradient_aggregation_group": 4},
+        "micro_batch_interleave_num": 1,
+        "recompute_config": {"recompute": s["recompute"] == "full", "select_recompute": s["recompute"] == "selective",
+                             "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
+                             "recompute_slice_activation": True},
+        "runner_config": {"batch_size": s["micro_batch"], "gradient_accumulation_steps": 1 if pipeline else s["accum"]},
+    }
 
 
-CONSTRAINT_KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")
+def mindformers_parallel_yaml(strategy: dict, **options) -> str:
+    """mindformers_parallel_config() as YAML text, under a comment naming the plan and the less obvious keys."""
+    doc = mindformers_parallel_config(strategy, **options)
+    s = {k: strategy[k] for k in CONSTRAINT_KEYS}
+    head = (f"# planned: dp={s['dp']} mp={s['mp']} pp={s['pp']}, micro_batch {s['micro_batch']} x {s['accum']} "
+            f"micro-steps, recompute {s['recompute']}, optimizer_shard {s['optimizer_shard']}\n"
+            "# parallel_mode: 0 data, 1 semi-auto, 2 auto parallel; search_mode: used by auto_parallel only;\n"
+            "# enable_parallel_optimizer: shard optimizer states (and weights) over dp; micro_batch_num: pipeline\n"
+            "# micro-batches per step (>= pipeline_stage); runner_config.batch_size: per device and micro-step\n")
+    return head + yaml.safe_dump(doc, sort_keys=False)

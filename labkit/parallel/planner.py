@@ -14,17 +14,16 @@ The same code models the CPU (precision fp32, no flash attention): bench/plan_ca
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
-from labkit.config import ModelConfig
+from labkit.config import RECOMPUTE, ModelConfig
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import flops_per_token
-from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
+from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS, mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
-from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS
-from labkit.config import RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -186,6 +185,26 @@ def step_time(cfg: ModelConfig, dev: Device, *, seq_len: int, global_batch: int,
 # ------------------------------------------------------------------------------------------------- search
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What every candidate strategy of one plan() shares, validated (the machine, the batch, the assumptions)."""
+    device: Device
+    devices: int
+    memory_gib: float  # per device
+    nodes: int
+    seq_len: int
+    global_batch: int
+    precision: str
+    peak_tflops: float
+    efficiency: float
+    flash_attention: bool
+    master_weights: bool
+    sequence_parallel: bool
+    overhead_gib: float
+    fused_norm: bool
+    constraints: dict  # pinned strategy keys (None = searched)
+
+
 def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, device: str | Device = "atlas_800t_a2",
          seq_len: int = 4096, global_batch: int | None = None, precision: str = "fp16", nodes: int | None = None,
          peak_tflops: float | None = None, efficiency: float = DEFAULT_EFFICIENCY, flash_attention: bool = True,
@@ -195,6 +214,25 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
 
     constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it).
     nodes: servers the devices sit in (None = as many as the preset's devices_per_node needs)."""
+    st = setting(devices, device_memory_gib, device=device, seq_len=seq_len, global_batch=global_batch,
+                 precision=precision, nodes=nodes, peak_tflops=peak_tflops, efficiency=efficiency,
+                 flash_attention=flash_attention, constraints=constraints, master_weights=master_weights,
+                 sequence_parallel=sequence_parallel, overhead_gib=overhead_gib)
+    strategies, skipped = [], {}
+    for cand, reason in candidates(model_cfg, st):
+        if reason:
+            skipped[reason] = skipped.get(reason, 0) + 1
+        else:
+            strategies.append(strategy_row(model_cfg, st, cand))
+    strategies.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], r["memory_gib"]["total"]))
+    return _result(model_cfg, st, strategies, skipped)
+
+
+def setting(devices: int, device_memory_gib: float, *, device: str | Device, seq_len: int, global_batch: int | None,
+            precision: str, nodes: int | None, peak_tflops: float | None, efficiency: float, flash_attention: bool,
+            constraints: dict | None, master_weights: bool, sequence_parallel: bool,
+            overhead_gib: float | None) -> Setting:
+    """plan()'s arguments checked, with the device preset's values filled in."""
     dev = device if isinstance(device, Device) else device_preset(device, measure=peak_tflops is None)
     _precision(precision)
     if devices < 1 or device_memory_gib <= 0:
@@ -208,66 +246,71 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
     peak = float(peak_tflops) if peak_tflops else dev.peak(precision)
     if not 0 < efficiency <= 1:
         raise LabkitError(f"efficiency {efficiency} must be in (0, 1]", "e.g. 0.5 for half of peak")
-    overhead = dev.overhead_gib if overhead_gib is None else overhead_gib
-    fused_norm = dev.name.startswith("atlas")  # mindformers' fused RMSNorm kernel is Ascend-only (labkit.model.llama)
-    constraints = _check_constraints(constraints)
+    return Setting(device=dev, devices=devices, memory_gib=device_memory_gib, nodes=nodes, seq_len=seq_len,
+                   global_batch=global_batch, precision=precision, peak_tflops=peak, efficiency=efficiency,
+                   flash_attention=flash_attention, master_weights=master_weights, sequence_parallel=sequence_parallel,
+                   overhead_gib=dev.overhead_gib if overhead_gib is None else overhead_gib,
+                   fused_norm=dev.name.startswith("atlas"),  # mindformers' fused RMSNorm is Ascend-only
+                   constraints=_check_constraints(constraints))
 
-    strategies, skipped = [], {}
-    for dp, mp, pp in _splits(devices):
-        why = _invalid_split(model_cfg, global_batch, dp, mp, pp)
-        for mb in _divisors(global_batch // dp) if global_batch % dp == 0 else [None]:
-            accum = global_batch // dp // mb if mb else None
-            for rc in RECOMPUTE:
-                for osh in (False, True) if dp > 1 else (False,):
-                    cand = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": mb, "accum": accum, "recompute": rc,
-                            "optimizer_shard": osh}
-                    if any(constraints.get(k) is not None and cand[k] != constraints[k] for k in CONSTRAINT_KEYS):
-                        continue
-                    reason = why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
-                                     if pp > 1 and accum < pp else None)
-                    if reason:
-                        skipped[reason] = skipped.get(reason, 0) + 1
-                        continue
-                    mem = memory_breakdown(model_cfg, seq_len=seq_len, precision=precision,
-                                           master_weights=master_weights, flash_attention=flash_attention,
-                                           sequence_parallel=sequence_parallel and mp > 1, fused_norm=fused_norm,
-                                           overhead_gib=overhead, **cand)
-                    t = step_time(model_cfg, dev, seq_len=seq_len, global_batch=global_batch, precision=precision,
-                                  peak_tflops=peak, efficiency=efficiency, nodes=nodes,
-                                  sequence_parallel=sequence_parallel and mp > 1, **cand)
-                    fits = mem["total"] <= device_memory_gib
-                    parts = {k: v for k, v in mem.items() if k not in ("stage", "params")}
-                    row = {**cand, "memory_gib": _rounded(parts), "stage": mem["stage"],
-                           "params_per_device": int(mem["params"]), "step_time_s": round(t["step_time_s"], 4),
-                           "time_s": _rounded(t["time_s"], 4),
-                           "tokens_per_s": round(t["tokens_per_s"], 1),
-                           "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
-                           "mfu": round(t["mfu"], 4), "fits": fits}
-                    if not fits:
-                        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-                        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {device_memory_gib:g} GiB: model states "
-                                          f"{states:.1f} + activations {mem['activations']:.1f} + overhead "
-                                          f"{overhead:.1f}")
-                    strategies.append(row)
-    strategies.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], r["memory_gib"]["total"]))
+
+def candidates(cfg: ModelConfig, st: Setting):
+    """(strategy, None) for each candidate the constraints allow, or (strategy, why it cannot run)."""
+    g = st.global_batch
+    for dp, mp, pp in _splits(st.devices):
+        why = _invalid_split(cfg, g, dp, mp, pp)
+        for mb in _divisors(g // dp) if g % dp == 0 else [None]:
+            accum = g // dp // mb if mb else None
+            for rc, osh in itertools.product(RECOMPUTE, (False, True) if dp > 1 else (False,)):
+                cand = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": mb, "accum": accum, "recompute": rc,
+                        "optimizer_shard": osh}
+                if any(st.constraints.get(k) is not None and cand[k] != st.constraints[k] for k in CONSTRAINT_KEYS):
+                    continue
+                yield cand, why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
+                                    if pp > 1 and accum < pp else None)
+
+
+def strategy_row(cfg: ModelConfig, st: Setting, cand: dict) -> dict:
+    """One strategy's row: memory per device by part, time per step by part, throughput, MFU, whether it fits."""
+    sp = st.sequence_parallel and cand["mp"] > 1
+    mem = memory_breakdown(cfg, seq_len=st.seq_len, precision=st.precision, master_weights=st.master_weights,
+                           flash_attention=st.flash_attention, sequence_parallel=sp, fused_norm=st.fused_norm,
+                           overhead_gib=st.overhead_gib, **cand)
+    t = step_time(cfg, st.device, seq_len=st.seq_len, global_batch=st.global_batch, precision=st.precision,
+                  peak_tflops=st.peak_tflops, efficiency=st.efficiency, nodes=st.nodes, sequence_parallel=sp, **cand)
+    fits = mem["total"] <= st.memory_gib
+    parts = {k: v for k, v in mem.items() if k not in ("stage", "params")}
+    row = {**cand, "memory_gib": _rounded(parts), "stage": mem["stage"], "params_per_device": int(mem["params"]),
+           "step_time_s": round(t["step_time_s"], 4), "time_s": _rounded(t["time_s"], 4), "tokens_per_s":
+           round(t["tokens_per_s"], 1), "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
+           "mfu": round(t["mfu"], 4), "fits": fits}
+    if not fits:
+        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {st.memory_gib:g} GiB: model states {states:.1f} + "
+                          f"activations {mem['activations']:.1f} + overhead {st.overhead_gib:.1f}")
+    return row
+
+
+def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> dict:
     best = next((r for r in strategies if r["fits"]), None)
-    bpp = bytes_per_param(precision, master_weights)
+    bpp = bytes_per_param(st.precision, st.master_weights)
     result = {
-        "model": model_cfg.name, "params": model_cfg.num_params, "param_counts": model_cfg.param_counts(),
-        "devices": devices, "nodes": nodes, "device": dev.name, "device_memory_gib": device_memory_gib,
-        "seq_len": seq_len, "global_batch": global_batch, "tokens_per_step": global_batch * seq_len,
-        "precision": precision, "peak_tflops": peak, "efficiency": efficiency, "flash_attention": flash_attention,
+        "model": cfg.name, "params": cfg.num_params, "param_counts": cfg.param_counts(),
+        "devices": st.devices, "nodes": st.nodes, "device": st.device.name, "device_memory_gib": st.memory_gib,
+        "seq_len": st.seq_len, "global_batch": st.global_batch, "tokens_per_step": st.global_batch * st.seq_len,
+        "precision": st.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
+        "flash_attention": st.flash_attention,
         "assumptions": {
-            "bytes_per_param": bpp, "model_states_gib_unsharded": round(model_cfg.num_params * bpp["total"] / GIB, 2),
-            "overhead_gib": overhead, "fused_norm": fused_norm, "sequence_parallel": sequence_parallel,
-            "master_weights": master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
+            "bytes_per_param": bpp, "model_states_gib_unsharded": round(cfg.num_params * bpp["total"] / GIB, 2),
+            "overhead_gib": st.overhead_gib, "fused_norm": st.fused_norm, "sequence_parallel": st.sequence_parallel,
+            "master_weights": st.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
             "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
-            "flops_per_token": flops_per_token(model_cfg, seq_len),
+            "flops_per_token": flops_per_token(cfg, st.seq_len),
         },
-        "constraints": {k: v for k, v in constraints.items() if v is not None},
+        "constraints": {k: v for k, v in st.constraints.items() if v is not None},
         "strategies": strategies, "best": best, "skipped": skipped,
     }
-    result["why"] = None if best else _why_nothing(result, model_cfg, device_memory_gib)
+    result["why"] = None if best else _why_nothing(result, cfg, st.memory_gib)
     return result
 
 
@@ -403,6 +446,8 @@ def model_from_config_file(path) -> tuple[ModelConfig, dict]:
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="model preset (tiny, llama_100m, llama2_7b)")
     src.add_argument("--config", help="a labkit run config YAML with a model: section")
@@ -421,7 +466,7 @@ def add_cli(parser) -> None:
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
     parser.add_argument("--no-flash-attention", action="store_true", help="model attention without flash attention")
     parser.add_argument("--top", type=int, default=15, help="rows of the table (human output)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common_flags(parser, "print one JSON object")
     parser.set_defaults(func=_cli)
 
 

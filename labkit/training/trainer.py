@@ -353,8 +353,10 @@ def config_from_args(args) -> RunConfig:
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     add_train_flags(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object (the run summary)")
+    add_common_flags(parser, "print one JSON object (the run summary)")
     parser.set_defaults(func=_cli)
 
 

@@ -337,6 +337,8 @@ def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
     a = sub.add_parser("hf2ms", help="HF Llama checkpoint -> converted MindSpore directory")
     a.add_argument("--src", help="HF model directory (config.json + safetensors or pytorch_model*.bin)")
@@ -344,14 +346,14 @@ def add_cli(parser) -> None:
     a.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: each tensor's source dtype)")
     a.add_argument("--overwrite", action="store_true", help="replace --dst if it exists")
     a.add_argument("--show-mapping", action="store_true", help="print the HF -> mindformers name mapping and exit")
-    a.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(a)
     a.set_defaults(func=_cli_hf2ms)
     b = sub.add_parser("ms2hf", help="converted MindSpore directory -> HF checkpoint")
     b.add_argument("--src", required=True, help="directory written by hf2ms (model.ckpt + model.yaml)")
     b.add_argument("--dst", required=True, help="HF output directory (written atomically)")
     b.add_argument("--dtype", choices=DTYPES, help="output dtype (default: the recorded source dtype)")
     b.add_argument("--overwrite", action="store_true", help="replace --dst if it exists")
-    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(b)
     b.set_defaults(func=_cli_ms2hf)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 

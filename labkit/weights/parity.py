@@ -157,11 +157,13 @@ def size_limit(total_bytes: int | None = None) -> dict:
 
 
 def config_diff(hf_dir: str | Path, ms_dir: str | Path) -> dict:
-    """Fields where the HF config.json and the converted model.yaml disagree (name aside)."""
+    """Fields where the HF config.json and the converted model.yaml disagree (name aside); when config.json
+    cannot be read as a Llama config, {"not_compared": why} (an empty dict means the configs agree)."""
     try:
         hf = to_dict(model_config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))))
-    except (LabkitError, OSError, ValueError):
-        return {}
+    except (LabkitError, OSError, ValueError) as e:
+        why = e.what if isinstance(e, LabkitError) else f"{type(e).__name__}: {e}"
+        return {"not_compared": f"{Path(hf_dir) / 'config.json'}: {why}"}
     ms = to_dict(read_model_config(ms_dir))
     return {k: [hf[k], ms[k]] for k in hf if k != "name" and hf[k] != ms[k]}
 
@@ -246,13 +248,15 @@ def make_variant(src: str | Path, dst: str | Path, *, drop: tuple = (), transpos
 
 
 def add_cli(parser) -> None:
+    from labkit.output import add_common_flags
+
     parser.add_argument("--hf", required=True, help="HF model directory (run with torch, float32)")
     parser.add_argument("--ms", required=True, help="converted directory (model.ckpt + model.yaml)")
     parser.add_argument("--seq-len", type=int, default=32, help="prompt length in tokens (default 32)")
     parser.add_argument("--gen-tokens", type=int, default=8, help="greedy tokens to generate and compare (default 8)")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"max |logit diff| (default {TOLERANCE})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fixed token ids")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_common_flags(parser)
     parser.set_defaults(func=_cli)
 
 
@@ -269,7 +273,9 @@ def _cli(args) -> int:
             f"  HF {r['hf_generated']}\n  MS {r['ms_generated']}\n"
             f"  peak RSS: HF side {r['hf']['peak_rss_mb']} MB, MindSpore side {r['ms']['peak_rss_mb']} MB; "
             f"limit {r['size_limit']}")
-    if r["config_diff"]:
+    if "not_compared" in r["config_diff"]:
+        text += f"\n  configs not compared: {r['config_diff']['not_compared']}"
+    elif r["config_diff"]:
         text += f"\n  configs differ (HF, MindSpore): {r['config_diff']}"
     emit(args, r, text)
     return 0 if r["passed"] else 1

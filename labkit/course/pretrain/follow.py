@@ -5,43 +5,18 @@ import sys
 import threading
 from pathlib import Path
 from labkit.errors import LabkitError, LabkitFailure
+from labkit.course import plots
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.course.pretrain.outputs import write_configs
 
 
-PANELS = (("loss", "loss", 1), ("tokens_per_s", "tokens/s", 1), ("mfu", "MFU %", 100), ("peak_mem_mb", "peak memory MB", 1))
+PANELS = (("loss", "loss", 1), ("tokens_per_s", "tokens/s", 1), ("mfu", "MFU %", 100),
+          ("peak_mem_mb", "peak memory MB", 1))
 
 
 def figure_png(rows: list[dict], title: str = "") -> bytes:
-    """Loss, throughput, MFU and memory by step as PNG bytes (matplotlib's object API: safe off the main thread)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(14, 3))
-    FigureCanvasAgg(fig)
-    for i, (key, label, scale) in enumerate(PANELS):
-        ax = fig.add_subplot(1, len(PANELS), i + 1)
-        pts = [(r["step"], r[key] * scale) for r in rows if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None)
-        ax.set_title(label)
-        ax.set_xlabel("step")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=72)
-    return buf.getvalue()
-
-
-class _Text:
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
+    """Loss, throughput, MFU and memory by step as PNG bytes (safe off the main thread)."""
+    return plots.figure_png(rows, PANELS, title)
 
 
 def status_line(rows: list[dict], steps: int) -> str:
@@ -53,40 +28,38 @@ def status_line(rows: list[dict], steps: int) -> str:
 
 
 class Follower(threading.Thread):
-    """Reads rank 0's metrics.jsonl every `every` seconds and updates two display handles (a status line and the
-    figure) in place; under papermill the last state is what the executed notebook keeps."""
+    """Reads rank 0's metrics.jsonl every `every` seconds and redraws a live view (status line and figure) when
+    rows were added; a failure to read or draw is shown once as a warning line, and following goes on."""
 
     def __init__(self, metrics: Path, steps: int, every: float = 2.0):
         super().__init__(daemon=True)
-        from IPython.display import Image, display
-
         self.metrics, self.steps, self.every, self.seen = Path(metrics), steps, every, -1
         self._stop_event = threading.Event()
-        self.status = display(_Text(status_line([], steps)), display_id=True)
-        self.plot = display(Image(data=figure_png([])), display_id=True)
+        self.view = plots.LiveView(PANELS, label="rank 0", status=lambda rows: status_line(rows, steps))
 
     def refresh(self) -> None:
-        from IPython.display import Image
-
         from labkit.training.metrics import read_metrics
 
         rows = read_metrics(self.metrics.parent)
         if len(rows) != self.seen:
             self.seen = len(rows)
-            self.status.update(_Text(status_line(rows, self.steps)))
-            self.plot.update(Image(data=figure_png(rows)))
+            self.view.show(rows)
+
+    def poll(self) -> None:
+        """refresh(), reporting (once) instead of raising: a display hiccup must not end the run."""
+        try:
+            self.refresh()
+        except Exception as e:  # shown to the reader once, not swallowed
+            self.view.warn(f"the live view of {self.metrics} failed: {type(e).__name__}: {e}")
 
     def run(self) -> None:
         while not self._stop_event.wait(self.every):
-            try:
-                self.refresh()
-            except Exception:  # a half-written line or a display hiccup must not end the run
-                pass
+            self.poll()
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=10)
-        self.refresh()
+        self.poll()
 
 
 def _in_notebook() -> bool:

@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 from labkit.io import atomic_write_text
 from labkit.course.pretrain.params import DEFAULTS
-from labkit.course.pretrain.runspec import PretrainRun, recompute_fraction
+from labkit.course.pretrain.layouts import recompute_fraction
+from labkit.course.pretrain.runspec import PretrainRun
 
 
 def layout_table(run: PretrainRun, top: int = 8):
@@ -46,8 +47,8 @@ def mindformers_yaml(run: PretrainRun) -> str:
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
     frac = recompute_fraction(t.recompute, run.model.num_layers)
     mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
-    par = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(
-        {**s, "recompute": "full" if frac == 1 else "none"}, parallel_mode=mode, search_mode=p.search_mode))
+    par = mf_yaml.mindformers_parallel_config({**s, "recompute": "full" if frac == 1 else "none"},
+                                              parallel_mode=mode, search_mode=p.search_mode)
     if 0 < frac < 1:
         par["recompute_config"]["recompute"] = stage_recompute_counts(t.recompute, run.model.num_layers, p.pp)
     par["use_parallel"] = run.devices > 1

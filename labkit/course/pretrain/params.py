@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.config import AMP_LEVELS
+
 
 @dataclass(frozen=True)
 class Param:
@@ -81,8 +83,12 @@ PRESETS = {
 DEVICE_FOR_TARGET = {"CPU": "cpu", "Ascend": "atlas_800t_a2", "GPU": "a100_80g"}
 
 
-# how the planner counts each mixed-precision level: (precision, fp32 master weights)
-AMP_PRECISION = {"O0": ("fp32", False), "O1": ("fp32", False), "O2": ("fp16", True), "O3": ("fp16", False)}
+# how the planner counts each mixed-precision level (labkit.config.AMP_LEVELS, the one table of them):
+# (compute precision, fp32 master weights kept beside lower-precision compute)
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+AMP_PRECISION = {level: (_SHORT[d["compute_dtype"]],
+                         d["param_dtype"] == "float32" and d["compute_dtype"] != "float32")
+                 for level, d in AMP_LEVELS.items()}
 
 
 # what the seeds' reference configuration says, before the change configs/llama2_7b_seed.yaml ships

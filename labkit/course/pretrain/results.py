@@ -6,7 +6,8 @@ import json
 import math
 from labkit.config import load_run_config
 from labkit.errors import LabkitError
-from labkit.course.pretrain.runspec import PretrainRun, estimate
+from labkit.course.pretrain.layouts import estimate
+from labkit.course.pretrain.runspec import PretrainRun
 from labkit.course.pretrain.params import SEED_AS_WRITTEN
 from labkit.course.pretrain.outputs import commands, write_configs
 from labkit.course.pretrain.follow import figure_png

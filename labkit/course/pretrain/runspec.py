@@ -12,10 +12,14 @@
 
 Parameters are the config fields' own names (PARAMETERS: one glossary for YAML, CLI, papermill and widgets).
 A parameter left None takes the preset's config value; dp/mp/pp left None are chosen by the planner
-(labkit.parallel.planner), which also judges memory: a layout that does not fit stops the notebook before anything starts.
+(labkit.parallel.planner), which also judges memory: a layout that does not fit stops the notebook before anything
+starts. resolve() runs in stages, each checking its part and returning a frozen dataclass: Settings (the typed
+parameters and the config they give), Placement (devices, nodes, memory), Pinned (what the parameters fix of the
+layout and the batch), Search (the planner's rows, best first); then the final config.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -26,6 +30,7 @@ from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, 
 from labkit.errors import LabkitError
 from labkit.paths import RUNS, lab_path
 from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
+from labkit.course.pretrain.layouts import divisors, estimate, recompute_fraction, shortfall, split_batch
 
 
 @dataclass
@@ -97,10 +102,6 @@ def _typed(name: str, value):
         raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type}") from None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _caller_base() -> Path:
     """Where the user runs: papermill's kernel cwd, or the folder `labkit run` was called from."""
     from labkit.course.runner import CALLER_ENV
@@ -120,91 +121,24 @@ def _user_path(p: str) -> Path:
     return lab.resolve() if lab.exists() else mine
 
 
-def recompute_fraction(spec: str, num_layers: int) -> float:
-    from labkit.config import parse_recompute
-
-    return len(parse_recompute(spec, num_layers)) / num_layers
+LAYOUT_PARAMS = ("dp", "mp", "pp", "micro_batch", "accum", "global_batch", "output_dir")  # set by the search
 
 
-def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_len: int, dp: int, mp: int,
-             pp: int, micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, amp_level: str,
-             flash_attention: bool) -> dict:
-    """The planner's row for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
-    planner's `none` and `full` rows weighted by the fraction of layers recomputed (activations are per layer)."""
-    from labkit.parallel import planner
+@dataclass(frozen=True)
+class Settings:
+    """Stage 1: the typed parameters and the run config they give (plain settings applied, layout not yet)."""
 
-    precision, master = AMP_PRECISION[amp_level]
-    frac = recompute_fraction(recompute, model.num_layers)
-    rows = {}
-    for rc in {"none" if frac < 1 else "full", "full" if frac > 0 else "none"}:
-        res = planner.plan(model, devices, memory_gib, device=device, seq_len=seq_len,
-                           global_batch=micro_batch * dp * accum, precision=precision, master_weights=master,
-                           nodes=nodes, flash_attention=flash_attention,
-                           constraints=dict(dp=dp, mp=mp, pp=pp, micro_batch=micro_batch, accum=accum, recompute=rc,
-                                            optimizer_shard=optimizer_shard))
-        if not res["strategies"]:
-            raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
-                              + ("; ".join(res["skipped"]) or "no valid strategy"))
-        rows[rc] = res["strategies"][0]
-    lo, hi = rows.get("none", rows.get("full")), rows.get("full", rows.get("none"))
-    mix = lambda a, b: a + (b - a) * frac  # noqa: E731
-    mem = {k: round(mix(lo["memory_gib"][k], hi["memory_gib"][k]), 3) for k in lo["memory_gib"]}
-    step = mix(lo["step_time_s"], hi["step_time_s"])
-    tokens = micro_batch * dp * accum * seq_len
-    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": recompute,
-           "optimizer_shard": optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
-           "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
-           "fits": mem["total"] <= memory_gib}
-    if not row["fits"]:
-        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
-                          f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
-    return row
+    given: dict  # parameter -> its typed value (None: not given)
+    preset: str
+    pre: dict  # PRESETS[preset]
+    base: RunConfig  # the config file as written, with the preset's overrides
+    data: dict  # `base` as a mapping with the plain parameters applied
+    cfg: RunConfig  # `data`, loaded and validated
+    model: object  # labkit.config.ModelConfig
 
 
-def _batch(g_fixed, mb_param, accum_param, mb_config: int, dp: int):
-    """(micro_batch, accum, global_batch, None) for one dp, or (.., reason) when the arithmetic cannot work."""
-    if g_fixed is None:  # micro_batch and accum both given: the global batch follows
-        return mb_param, accum_param, mb_param * dp * accum_param, None
-    if g_fixed % dp:
-        return None, None, g_fixed, f"global_batch {g_fixed} is not divisible by dp {dp}"
-    per = g_fixed // dp
-    if mb_param is not None:
-        if per % mb_param:
-            return None, None, g_fixed, (f"micro_batch {mb_param} does not divide global_batch / dp = "
-                                         f"{g_fixed} / {dp} = {per}")
-        mb = mb_param
-    else:
-        mb = max(d for d in _divisors(per) if d <= max(1, mb_config))
-    acc = per // mb
-    if accum_param is not None and accum_param != acc:
-        return None, None, g_fixed, (f"micro_batch {mb} x dp {dp} x accum {accum_param} = "
-                                     f"{mb * dp * accum_param}, not global_batch {g_fixed}")
-    return mb, acc, g_fixed, None
-
-
-def _availability(target: str, workers: int) -> str | None:
-    """None when this machine has the devices for its share of the run, else why not."""
-    if target == "CPU":
-        return None
-    from labkit.doctor.env import collect_hardware
-
-    hw = collect_hardware()
-    have = len(hw["npus"] if target == "Ascend" else hw["nvidia_gpus"])
-    if have < workers:
-        return f"this machine has {have} {target} device(s) and the run needs {workers} per node"
-    return None
-
-
-def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
-    """Validate the parameters (names from PARAMETERS, read from `namespace`, e.g. the notebook's globals())."""
-    from labkit.training import checkpoint
-    from labkit.parallel.devices import device_preset
-    from labkit.model.llama import backend_flags
-
-    os.environ.setdefault("GLOG_v", "3")  # MindSpore may be imported below (the CPU GEMM probe)
+def _settings(namespace: dict) -> Settings:
     given = {name: _typed(name, namespace.get(name, DEFAULTS[name])) for name in PARAMS}
-    sources = {name: (value, "parameter") for name, value in given.items() if value is not None}
     preset = given["preset"]
     if preset not in PRESETS:
         raise LabkitError(f"parameter preset = {preset!r} is not known", f"use one of {', '.join(PRESETS)}")
@@ -213,23 +147,41 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
                            [] if given["config"] else [f"{k}={v}" for k, v in pre.get("overrides", {}).items()])
     data = to_dict(base)
     for p in PARAMETERS:  # plain settings: the parameter wins, None keeps the config's value
-        if p.field and given[p.name] is not None and p.name not in ("dp", "mp", "pp", "micro_batch", "accum",
-                                                                    "global_batch", "output_dir"):
+        if p.field and given[p.name] is not None and p.name not in LAYOUT_PARAMS:
             set_dotted(data, f"{p.field}={json.dumps(given[p.name])}")
     cfg = load(RunConfig, data)  # validates types, schedule, recompute syntax later
     model = cfg.model_config()
-    target = cfg.parallel.device_target
     if cfg.data.seq_len > model.max_position_embeddings:
         raise LabkitError(f"parameter seq_len = {cfg.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}", f"use seq_len <= {model.max_position_embeddings}")
     recompute_fraction(cfg.train.recompute, model.num_layers)  # raises on a bad spec
+    return Settings(given=given, preset=preset, pre=pre, base=base, data=data, cfg=cfg, model=model)
 
-    devices = given["devices"] or pre["devices"]
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage 2: devices over nodes, the planner's device preset, memory per device, and whether this machine
+    has the devices for its share."""
+
+    devices: int
+    nodes: int
+    workers: int  # devices on this node
+    device_name: str  # planner device preset
+    memory_gib: float  # per device
+    why_not: str | None  # why this machine does not train (None: it does)
+    sources: dict  # parameter -> (value, where it came from), for values derived here
+
+
+def _placement(s: Settings) -> Placement:
+    from labkit.parallel.devices import device_preset
+
+    given, target = s.given, s.cfg.parallel.device_target
+    devices = given["devices"] or s.pre["devices"]
     if devices < 1:
         raise LabkitError(f"parameter devices = {devices} must be >= 1")
-    same_target = target == base.parallel.device_target
-    dev_name = given["device"] or (pre.get("device") if same_target else None) or DEVICE_FOR_TARGET[target]
-    dev = device_preset(dev_name, measure=False)  # the CPU's GEMM peak is measured below, once validation passed
+    same_target = target == s.base.parallel.device_target
+    dev_name = given["device"] or (s.pre.get("device") if same_target else None) or DEVICE_FOR_TARGET[target]
+    dev = device_preset(dev_name, measure=False)  # the CPU's GEMM peak is measured later, once validation passed
     nodes = given["nodes"] or (1 if target == "CPU" else max(1, math.ceil(devices / dev.devices_per_node)))
     if devices % nodes:
         raise LabkitError(f"devices {devices} do not split evenly over nodes {nodes}",
@@ -237,18 +189,36 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     workers = devices // nodes
     if not 0 <= given["node_rank"] < nodes:
         raise LabkitError(f"parameter node_rank = {given['node_rank']} is outside 0..{nodes - 1}")
-    where = _availability(target, workers)
-    if nodes > 1 and where is None and not (given["master_addr"] and given["master_port"]):
+    why_not = shortfall(target, workers)
+    if nodes > 1 and why_not is None and not (given["master_addr"] and given["master_port"]):
         raise LabkitError(f"nodes = {nodes} needs master_addr and master_port (node 0's host and a free port)",
                           "pass -p master_addr HOST -p master_port PORT, the same on every node")
     memory = given["device_memory_gib"] or (
         round(host_ram_gib() / workers, 1) if dev.name == "cpu" else dev.memory_gib)
+    sources = {}
     if given["device_memory_gib"] is None:
         sources["device_memory_gib"] = (memory, "host RAM / workers" if dev.name == "cpu" else f"device {dev.name}")
+    return Placement(devices=devices, nodes=nodes, workers=workers, device_name=dev_name, memory_gib=memory,
+                     why_not=why_not, sources=sources)
 
-    # the layout: dp x mp x pp = devices, each pinned or searched
-    dp_, mp_, pp_ = given["dp"], given["mp"], given["pp"]
-    pinned = [(n, v) for n, v in (("dp", dp_), ("mp", mp_), ("pp", pp_)) if v is not None]
+
+@dataclass(frozen=True)
+class Pinned:
+    """Stage 3: what the parameters fix of the layout and the batch, checked against the devices and target."""
+
+    dp: int | None  # None: searched
+    mp: int | None
+    pp: int | None
+    optimizer_shard: bool  # asked for (and possible: more than one device)
+    micro_batch: int | None  # None: derived
+    accum: int | None
+    global_batch: int | None  # the global batch every layout must keep; None: micro_batch x dp x accum
+    sources: dict
+
+
+def _check_layout(devices: int, target: str, dp: int | None, mp: int | None, pp: int | None) -> None:
+    """dp x mp x pp = devices for the pinned ones, and what CPU cannot run."""
+    pinned = [(n, v) for n, v in (("dp", dp), ("mp", mp), ("pp", pp)) if v is not None]
     product = math.prod(v for _, v in pinned) if pinned else 1
     if any(v < 1 for _, v in pinned):
         raise LabkitError(f"parameters dp/mp/pp must be >= 1, got {dict(pinned)}")
@@ -259,96 +229,157 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
         raise LabkitError(f"dp x mp x pp must equal devices ({devices}): {shown}{tail}",
                           f"choose values whose product is {devices} (e.g. dp {devices}), or leave dp/mp/pp None "
                           "for the planner's best")
-    if target == "CPU" and ((mp_ or 1) > 1 or (pp_ or 1) > 1):
-        raise LabkitError(f"mp {mp_} / pp {pp_} need semi_auto_parallel, which MindSpore 2.9 refuses on CPU",
+    if target == "CPU" and ((mp or 1) > 1 or (pp or 1) > 1):
+        raise LabkitError(f"mp {mp} / pp {pp} need semi_auto_parallel, which MindSpore 2.9 refuses on CPU",
                           "on CPU use data parallel only (mp 1, pp 1), or device_target Ascend/GPU")
-    shard = cfg.parallel.optimizer_shard
+
+
+def _pinned(s: Settings, place: Placement) -> Pinned:
+    given, target, devices = s.given, s.cfg.parallel.device_target, place.devices
+    _check_layout(devices, target, given["dp"], given["mp"], given["pp"])
+    shard, sources = s.cfg.parallel.optimizer_shard, {}
     if devices == 1 and shard:
         shard = False
         sources["optimizer_shard"] = (False, "one device: nothing to shard over")
     if target == "CPU" and shard:
         raise LabkitError("optimizer_shard needs MindSpore's parallel optimizer (semi_auto_parallel), which is "
                           "refused on CPU", "pass -p optimizer_shard False, or run on Ascend/GPU")
-    t = cfg.train
-    mb_param, acc_param, g_param = given["micro_batch"], given["accum"], given["global_batch"]
-    for name, v in (("micro_batch", mb_param), ("accum", acc_param), ("global_batch", g_param)):
+    mb, acc, g = given["micro_batch"], given["accum"], given["global_batch"]
+    for name, v in (("micro_batch", mb), ("accum", acc), ("global_batch", g)):
         if v is not None and v < 1:
             raise LabkitError(f"parameter {name} = {v} must be >= 1")
-    config_dp = base.parallel.dp or max(1, pre["devices"] // (base.parallel.mp * base.parallel.pp))
-    g_fixed = g_param or (None if mb_param and acc_param else
-                          t.global_batch or t.micro_batch * t.accum * config_dp)
-    flash = backend_flags(target).use_flash_attention
-    dev = device_preset(dev_name)
+    t, bp = s.cfg.train, s.base.parallel
+    config_dp = bp.dp or max(1, s.pre["devices"] // (bp.mp * bp.pp))
+    g_fixed = g or (None if mb and acc else t.global_batch or t.micro_batch * t.accum * config_dp)
+    return Pinned(dp=given["dp"], mp=given["mp"], pp=given["pp"], optimizer_shard=shard, micro_batch=mb,
+                  accum=acc, global_batch=g_fixed, sources=sources)
+
+
+@dataclass(frozen=True)
+class Search:
+    """Stage 4: the planner's rows for every layout the parameters allow, best first (the best one fits)."""
+
+    device: object  # labkit.parallel.devices.Device, with the CPU's GEMM peak measured
+    rows: list
+
+    @property
+    def best(self) -> dict:
+        return self.rows[0]
+
+
+def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tuple[list, dict]:
+    """The planner's row for each dp x mp x pp the parameters allow, and why each other one cannot work."""
+    t, devices, target = s.cfg.train, place.devices, s.cfg.parallel.device_target
     rows, reasons = [], {}
-    for m in _divisors(devices):
-        for q in _divisors(devices // m):
+    for m in divisors(devices):
+        for q in divisors(devices // m):
             d = devices // m // q
-            if (dp_ and d != dp_) or (mp_ and m != mp_) or (pp_ and q != pp_) or (target == "CPU" and m * q > 1):
+            if (pin.dp and d != pin.dp) or (pin.mp and m != pin.mp) or (pin.pp and q != pin.pp) or (
+                    target == "CPU" and m * q > 1):
                 continue
-            mb, acc, g, why = _batch(g_fixed, mb_param, acc_param, t.micro_batch, d)
+            mb, acc, g, why = split_batch(pin.global_batch, pin.micro_batch, pin.accum, t.micro_batch, d)
             if why is None:
                 try:
-                    rows.append(estimate(model, dev, memory, devices=devices, nodes=nodes, seq_len=cfg.data.seq_len,
-                                         dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
-                                         optimizer_shard=shard and d > 1, amp_level=t.amp_level,
-                                         flash_attention=flash))
+                    rows.append(estimate(s.model, dev, place.memory_gib, devices=devices, nodes=place.nodes,
+                                         seq_len=s.cfg.data.seq_len, dp=d, mp=m, pp=q, micro_batch=mb, accum=acc,
+                                         recompute=t.recompute, optimizer_shard=pin.optimizer_shard and d > 1,
+                                         amp_level=t.amp_level, flash_attention=flash))
                 except LabkitError as e:
                     why = e.what
             if why:
                 reasons[f"dp {d} x mp {m} x pp {q}"] = why
+    return rows, reasons
+
+
+def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
+    from labkit.model.llama import backend_flags
+    from labkit.parallel.devices import device_preset
+
+    target = s.cfg.parallel.device_target
+    flash = backend_flags(target).use_flash_attention
+    dev = device_preset(place.device_name)
+    rows, reasons = _layouts(s, place, pin, dev, flash)
     if not rows:
         raise LabkitError("no parallel layout passes the batch arithmetic: "
                           + "; ".join(f"{k}: {v}" for k, v in reasons.items()),
                           "micro_batch x dp x accum must equal global_batch: change micro_batch/accum/"
                           "global_batch, or leave micro_batch and accum None to derive them")
     rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], -r["dp"]))
-    best = rows[0]
+    best, memory = rows[0], place.memory_gib
     if not best["fits"]:
         raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device: {best['why_not']} "
                           f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
                           f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
                           f"{best['optimizer_shard']})",
-                          _memory_fix(model, dev, memory, devices, nodes, cfg, g_fixed or best["micro_batch"] *
-                                      best["dp"] * best["accum"], target, flash))
-    for name, key in (("dp", "dp"), ("mp", "mp"), ("pp", "pp")):
-        if given[name] is None:
-            sources[name] = (best[key], f"planner's best of {sum(r['fits'] for r in rows)} fitting layouts")
-    how = {"micro_batch": "config" if best["micro_batch"] == t.micro_batch else
-           f"config's {t.micro_batch}, lowered to divide global_batch / dp",
-           "accum": "global_batch / (micro_batch x dp)", "global_batch": "config" if g_fixed else "micro_batch x dp x accum"}
-    for name in ("micro_batch", "accum", "global_batch"):
-        if given[name] is None:
-            sources[name] = (None, how[name])
-    if shard and not best["optimizer_shard"]:
-        shard = False
+                          _memory_fix(s.model, dev, memory, place.devices, place.nodes, s.cfg, pin.global_batch or
+                                      best["micro_batch"] * best["dp"] * best["accum"], target, flash))
+    return Search(device=dev, rows=rows)
 
-    # parallel mode and the final config
+
+def _chosen_sources(s: Settings, pin: Pinned, found: Search) -> dict:
+    """Where the layout and batch values that were left None came from."""
+    best, t, given = found.best, s.cfg.train, s.given
+    fitting = sum(r["fits"] for r in found.rows)
+    how = {"dp": f"planner's best of {fitting} fitting layouts", "mp": f"planner's best of {fitting} fitting layouts",
+           "pp": f"planner's best of {fitting} fitting layouts",
+           "micro_batch": "config" if best["micro_batch"] == t.micro_batch else
+           f"config's {t.micro_batch}, lowered to divide global_batch / dp",
+           "accum": "global_batch / (micro_batch x dp)",
+           "global_batch": "config" if pin.global_batch else "micro_batch x dp x accum"}
+    return {name: (best[name] if name in ("dp", "mp", "pp") else None, why)
+            for name, why in how.items() if given[name] is None}
+
+
+def _parallel_mode(devices: int, target: str, configured: str | None, best: dict, shard: bool) -> str:
     if devices == 1:
-        mode = "stand_alone"
-    elif target == "CPU":
-        mode = "data_parallel"
-    elif base.parallel.parallel_mode in ("semi_auto_parallel", "auto_parallel"):
-        mode = base.parallel.parallel_mode
-    else:
-        mode = "semi_auto_parallel" if (best["mp"] > 1 or best["pp"] > 1 or shard) else "data_parallel"
+        return "stand_alone"
+    if target == "CPU":
+        return "data_parallel"
+    if configured in ("semi_auto_parallel", "auto_parallel"):
+        return configured
+    return "semi_auto_parallel" if (best["mp"] > 1 or best["pp"] > 1 or shard) else "data_parallel"
+
+
+def _final_config(s: Settings, place: Placement, best: dict, shard: bool, out: Path) -> RunConfig:
+    """The run config with the chosen layout and batch, output_dir and the user paths made absolute."""
+    data = copy.deepcopy(s.data)
+    mode = _parallel_mode(place.devices, s.cfg.parallel.device_target, s.base.parallel.parallel_mode, best, shard)
     for key, value in (("parallel.dp", best["dp"]), ("parallel.mp", best["mp"]), ("parallel.pp", best["pp"]),
                        ("parallel.optimizer_shard", shard), ("parallel.parallel_mode", mode),
                        ("train.micro_batch", best["micro_batch"]), ("train.accum", best["accum"]),
                        ("train.global_batch", best["micro_batch"] * best["dp"] * best["accum"])):
         set_dotted(data, f"{key}={json.dumps(value)}")
-    scratch = given["output_dir"] is None
-    out = (RUNS / "pretrain" / preset) if scratch else _caller_base() / Path(given["output_dir"]).expanduser()
-    data["output_dir"] = str(out.resolve())
-    run = PretrainRun(preset=preset, cfg=None, model=model, device=dev, device_memory_gib=memory, devices=devices,
-                      nodes=nodes, workers=workers, node_rank=given["node_rank"], master_addr=given["master_addr"],
-                      master_port=given["master_port"], strategy=best, alternatives=rows[1:],
-                      can_train=where is None, why_not=where, output_dir=out.resolve(), resume=given["resume"],
-                      overwrite=given["overwrite"] or scratch, params=given, sources=sources)
+    data["output_dir"] = str(out)
     for key in ("dataset", "tokenizer", "init_checkpoint"):
         section = "train" if key == "init_checkpoint" else "data"
         if data[section].get(key):
             data[section][key] = str(_user_path(data[section][key]))
-    run.cfg = load(RunConfig, data)
+    return load(RunConfig, data)
+
+
+def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
+    """Validate the parameters (names from PARAMETERS, read from `namespace`, e.g. the notebook's globals()):
+    settings, then placement, pinned layout and batch, the planner's search, and the final config."""
+    from labkit.training import checkpoint
+
+    os.environ.setdefault("GLOG_v", "3")  # MindSpore may be imported below (the CPU GEMM probe)
+    s = _settings(namespace)
+    place = _placement(s)
+    pin = _pinned(s, place)
+    found = _search(s, place, pin)
+    given, best = s.given, found.best
+    shard = pin.optimizer_shard and best["optimizer_shard"]
+    scratch = given["output_dir"] is None
+    out = (RUNS / "pretrain" / s.preset) if scratch else _caller_base() / Path(given["output_dir"]).expanduser()
+    sources = {**{k: (v, "parameter") for k, v in given.items() if v is not None}, **place.sources, **pin.sources,
+               **_chosen_sources(s, pin, found)}
+    run = PretrainRun(preset=s.preset, cfg=_final_config(s, place, best, shard, out.resolve()), model=s.model,
+                      device=found.device, device_memory_gib=place.memory_gib, devices=place.devices,
+                      nodes=place.nodes, workers=place.workers, node_rank=given["node_rank"],
+                      master_addr=given["master_addr"], master_port=given["master_port"], strategy=best,
+                      alternatives=found.rows[1:], can_train=place.why_not is None, why_not=place.why_not,
+                      output_dir=out.resolve(), resume=given["resume"], overwrite=given["overwrite"] or scratch,
+                      params=given, sources=sources)
     if check_files and run.can_train:
         _check_files(run, checkpoint)
     return run

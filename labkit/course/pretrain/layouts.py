@@ -1,0 +1,86 @@
+"""The planner's view of one layout of notebook 07's run: its row (memory and time, with labkit's partial
+recomputation), the batch arithmetic for one dp, and whether this machine has the devices for its share."""
+from __future__ import annotations
+
+from labkit.errors import LabkitError
+from labkit.course.pretrain.params import AMP_PRECISION
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def recompute_fraction(spec: str, num_layers: int) -> float:
+    from labkit.config import parse_recompute
+
+    return len(parse_recompute(spec, num_layers)) / num_layers
+
+
+def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_len: int, dp: int, mp: int,
+             pp: int, micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, amp_level: str,
+             flash_attention: bool) -> dict:
+    """The planner's row for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
+    planner's `none` and `full` rows weighted by the fraction of layers recomputed (activations are per layer)."""
+    from labkit.parallel import planner
+
+    precision, master = AMP_PRECISION[amp_level]
+    frac = recompute_fraction(recompute, model.num_layers)
+    rows = {}
+    for rc in {"none" if frac < 1 else "full", "full" if frac > 0 else "none"}:
+        res = planner.plan(model, devices, memory_gib, device=device, seq_len=seq_len,
+                           global_batch=micro_batch * dp * accum, precision=precision, master_weights=master,
+                           nodes=nodes, flash_attention=flash_attention,
+                           constraints=dict(dp=dp, mp=mp, pp=pp, micro_batch=micro_batch, accum=accum, recompute=rc,
+                                            optimizer_shard=optimizer_shard))
+        if not res["strategies"]:
+            raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
+                              + ("; ".join(res["skipped"]) or "no valid strategy"))
+        rows[rc] = res["strategies"][0]
+    lo, hi = rows.get("none", rows.get("full")), rows.get("full", rows.get("none"))
+    mix = lambda a, b: a + (b - a) * frac  # noqa: E731
+    mem = {k: round(mix(lo["memory_gib"][k], hi["memory_gib"][k]), 3) for k in lo["memory_gib"]}
+    step = mix(lo["step_time_s"], hi["step_time_s"])
+    tokens = micro_batch * dp * accum * seq_len
+    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": recompute,
+           "optimizer_shard": optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
+           "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
+           "fits": mem["total"] <= memory_gib}
+    if not row["fits"]:
+        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
+                          f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
+    return row
+
+
+def split_batch(g_fixed, mb_param, accum_param, mb_config: int, dp: int):
+    """(micro_batch, accum, global_batch, None) for one dp, or (.., reason) when the arithmetic cannot work."""
+    if g_fixed is None:  # micro_batch and accum both given: the global batch follows
+        return mb_param, accum_param, mb_param * dp * accum_param, None
+    if g_fixed % dp:
+        return None, None, g_fixed, f"global_batch {g_fixed} is not divisible by dp {dp}"
+    per = g_fixed // dp
+    if mb_param is not None:
+        if per % mb_param:
+            return None, None, g_fixed, (f"micro_batch {mb_param} does not divide global_batch / dp = "
+                                         f"{g_fixed} / {dp} = {per}")
+        mb = mb_param
+    else:
+        mb = max(d for d in divisors(per) if d <= max(1, mb_config))
+    acc = per // mb
+    if accum_param is not None and accum_param != acc:
+        return None, None, g_fixed, (f"micro_batch {mb} x dp {dp} x accum {accum_param} = "
+                                     f"{mb * dp * accum_param}, not global_batch {g_fixed}")
+    return mb, acc, g_fixed, None
+
+
+def shortfall(target: str, workers: int) -> str | None:
+    """None when this machine has the devices for its share of the run, else why not."""
+    if target == "CPU":
+        return None
+    from labkit.doctor.env import collect_hardware
+
+    hw = collect_hardware()
+    have = len(hw["npus"] if target == "Ascend" else hw["nvidia_gpus"])
+    if have < workers:
+        return f"this machine has {have} {target} device(s) and the run needs {workers} per node"
+    return None
