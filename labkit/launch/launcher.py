@@ -38,7 +38,7 @@ from pathlib import Path
 from labkit.training.metrics import read_metrics
 from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
                                     python_on_path)
-from labkit.launch.supervisor import (FINISHED, TIMEOUT, Outcome, Supervisor, log_tail, start_guard,
+from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Outcome, Supervisor, log_tail, start_guard,
                                       summary_from_log, supervise)
 
 
@@ -153,6 +153,8 @@ def write_files(pl: PreparedLaunch, overwrite: bool) -> LaunchFiles:
 
         rewrite_metrics(out, [r for r in read_metrics(out) if r.get("step", 0) <= pl.start_step])
     logs.mkdir(parents=True, exist_ok=True)
+    for old in [logs / "scheduler.log", *logs.glob("worker_*.log")]:  # msrun overwrites them once it starts its
+        old.unlink(missing_ok=True)  # processes; until then the supervisor must not read a previous run's words
     atomic_write_text(config_file, dump_run_config(pl.cfg))
     return LaunchFiles(output=out, logs=logs, config_file=config_file, metrics=out / "metrics.jsonl",
                        command=tuple(command(pl, config_file, logs)))
@@ -193,7 +195,7 @@ class Watch:
         self.bar = _bar(pl, progress)
 
     def tick(self):
-        rows = read_metrics(self.files.output) if self.pl.node_rank == 0 else []
+        rows = read_metrics(self.files.output)  # the shared folder: every node sees rank 0's steps
         if rows and rows[-1].get("step", 0) > self.steps_seen:
             self.steps_seen = rows[-1]["step"]
             if self.bar is not None:
@@ -228,12 +230,15 @@ def report(pl: PreparedLaunch, files: LaunchFiles, sup: Supervisor, outcome: Out
         result.stop_seconds = time.perf_counter() - (outcome.first_death or time.perf_counter())
         result.failed_rank = outcome.rank
         result.returncode = outcome.code if outcome.code else 1
-        result.reason = outcome.reason or failure_reason(pl, sup, outcome, result.steps_done)
+        result.reason = missing_nodes(pl, outcome) or outcome.reason or failure_reason(pl, sup, outcome,
+                                                                                         result.steps_done)
         if outcome.state == TIMEOUT:
             result.reason += f" (step {result.steps_done})"
-        own = outcome.rank if outcome.rank is not None else first_rank
-        by_rank = outcome.rank is not None or outcome.state == TIMEOUT or outcome.reason is not None
-        result.log_tail = log_tail(logs / f"worker_{own}.log" if by_rank else logs / "msrun.log")
+        own = logs / f"worker_{outcome.rank}.log"  # a rank of another node has its log there, not here
+        if outcome.rank is None or not own.exists():
+            by_rank = outcome.rank is not None or outcome.state == TIMEOUT or outcome.reason is not None
+            own = logs / f"worker_{first_rank}.log" if by_rank else logs / "msrun.log"
+        result.log_tail = log_tail(own)
     elif pl.node_rank == 0 and not (result.summary or {}).get("ok"):
         result.failed_rank = 0
         result.reason = "rank 0 ended without its summary line"
@@ -252,25 +257,24 @@ def failure_reason(pl: PreparedLaunch, sup: Supervisor, outcome: Outcome, steps_
             how = f"was killed by signal {signal.Signals(-code).name} (exit {code})"
     if rank is not None:
         return f"rank {rank} (pid {sup.ranks[rank].pid}) {how} after {steps_done} of {pl.cfg.train.steps} steps"
-    missing = missing_nodes(pl, sup)
-    if missing:
-        return missing
     return f"msrun {how} after {steps_done} of {pl.cfg.train.steps} steps"
 
 
-def missing_nodes(pl: PreparedLaunch, sup: Supervisor) -> str | None:
-    """When msrun gave up while the cluster gathered: the nodes (and ranks) that never joined, by name."""
-    from labkit.launch.supervisor import cluster_members
-
+def missing_nodes(pl: PreparedLaunch, outcome: Outcome) -> str | None:
+    """When the cluster never gathered: the nodes (and their ranks) that did not join, by name. Node 0 sees only
+    its own workers, so it names every other node; another node names node 0, whose scheduler it never reached."""
+    if outcome.reason != CLUSTER_NOT_GATHERED:
+        return None
+    ranks = lambda n: f"rank {n * pl.workers}" if pl.workers == 1 else \
+        f"ranks {n * pl.workers}..{(n + 1) * pl.workers - 1}"  # noqa: E731
+    others = [n for n in range(pl.nodes) if n != pl.node_rank] if pl.node_rank == 0 else [0]
+    names = ", ".join(f"node {n} ({ranks(n)})" for n in others)
+    waited = f"within parallel.cluster_timeout_s = {cluster_timeout(pl.cfg)} s"
     if pl.nodes == 1:
-        return None
-    joined = cluster_members(Path(node_files(pl)[1]))
-    if joined is None or joined >= pl.total:
-        return None
-    others = [n for n in range(pl.nodes) if n != pl.node_rank]
-    names = ", ".join(f"node {n} (ranks {n * pl.workers}..{(n + 1) * pl.workers - 1})" for n in others)
-    return (f"the cluster did not gather within parallel.cluster_timeout_s = {cluster_timeout(pl.cfg)} s: "
-            f"{joined} of {pl.total} workers joined; missing {names if pl.node_rank == 0 else 'node 0 (master)'}")
+        return f"the {pl.total} workers of this machine did not gather {waited}"
+    return (f"{names} never joined the cluster {waited} (this is node {pl.node_rank}); start every node with the "
+            f"same --nodes, --master-addr and --master-port, and check that node {0 if pl.node_rank else 1} can "
+            f"reach {pl.master_addr}:{pl.master_port}")
 
 
 def _clear_run(out: Path):

@@ -17,8 +17,11 @@ from pathlib import Path
 MSRUN_WORKER_ERROR = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 
 
-# the scheduler's count of registered workers while the cluster gathers (MindSpore 2.9 meta server node)
-CLUSTER_JOINED = re.compile(r"(\d+) of \d+ (?:nodes|workers) (?:registered|joined)")
+# what MindSpore 2.9's init() raises in the scheduler and the workers when the cluster did not gather within
+# msrun's --cluster_time_out (mindspore/ccsrc/cluster/init.cc)
+CLUSTER_NOT_GATHERED = "Failed to initialize distributed job cluster"
+# the scheduler's word for a worker whose heartbeat stopped (its node died or was cut off; meta_server_node.cc)
+NODE_TIMED_OUT = re.compile(r"The node: (\d+) is timed out")
 
 
 POLL_S = 0.25  # how often the launcher looks at the workers
@@ -169,6 +172,9 @@ class Supervisor:
         return Outcome(FINISHED, first_death=death)
 
     def _poll_msrun(self, now: float) -> Outcome:
+        fault = self.cluster_fault(now)
+        if fault is not None:
+            return fault
         codes = {int(pid): int(c) for pid, c in MSRUN_WORKER_ERROR.findall(read_log(self.msrun_log))}
         by_pid = {p.pid: r for r, p in self.job.ranks.items()}
         for r, p in self.job.ranks.items():
@@ -190,6 +196,23 @@ class Supervisor:
                 f"ranks {sorted(set(self.job.ranks) - set(self.ended_at))} still running {FINISH_GRACE_S:.0f} s "
                 f"after rank {first} finished"))
         return Outcome(RUNNING)
+
+    def cluster_fault(self, now: float) -> Outcome | None:
+        """What the scheduler (node 0) or this node's workers say about the cluster: it never gathered (a node
+        missing), or a rank stopped answering the heartbeat (its node died). MindSpore's processes can take half
+        a minute more to exit after saying so: the job is ended at once."""
+        logs = self.msrun_log.parent
+        sched = log_end(logs / "scheduler.log")
+        lost = NODE_TIMED_OUT.findall(sched)
+        if lost:
+            rank = int(lost[0])
+            where = f"node {rank // self.workers}'s " if rank not in self.job.ranks else ""
+            return Outcome(FAILED, rank=rank, code=1, first_death=now, reason=(
+                f"{where}rank {rank} stopped answering the scheduler's heartbeat (its process or its node ended)"))
+        if any(CLUSTER_NOT_GATHERED in text for text in
+               [sched] + [log_end(logs / f"worker_{r}.log") for r in self.job.ranks]):
+            return Outcome(FAILED, code=1, reason=CLUSTER_NOT_GATHERED, first_death=now)
+        return None
 
     def kill_rank(self, rank: int) -> int:
         """SIGKILL one rank (a fault drill); returns its pid."""
@@ -274,6 +297,17 @@ def start_guard(job_root: int) -> subprocess.Popen | None:
         return None
 
 
+def log_end(path: Path, size: int = 16_384) -> str:
+    """The last `size` bytes of a log ("" when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def read_log(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -310,10 +344,3 @@ def guard(parent_pid: int, root_pid: int) -> None:
             return
         time.sleep(0.5)
 
-
-def cluster_members(logs: Path) -> int | None:
-    """How many workers had joined the cluster when msrun gave up gathering it, from the scheduler's log in
-    `logs` (None when the log does not say)."""
-    text = read_log(logs / "scheduler.log")
-    found = CLUSTER_JOINED.findall(text)
-    return int(found[-1]) if found else None
