@@ -23,7 +23,7 @@ from labkit.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 8  # the fault drill kills node 1 after step 3; checkpoints every 2 steps
 CONFIG = "configs/dp2_cpu.yaml"  # micro_batch 4 per worker, global batch 8
 
 
@@ -95,29 +95,6 @@ def left_behind(*results: dict) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_two_nodes_equal_one_node_and_one_card(tmp_path, netns):
-    out = tmp_path / "two_nodes"
-    nodes = [node(netns, r, out, 29611, "--steps", str(STEPS)) for r in (0, 1)]
-    res = [finish(p, 240) for p in nodes]
-    assert all(r["ok"] for r in res), [r.get("reason") for r in res]
-    assert not left_behind(*res) and not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])
-    # each node its own logs and launch file; run-level files once
-    for r in (0, 1):
-        assert (out / "logs" / f"node{r}" / "msrun.log").is_file() and (out / f"launch_node{r}.yaml").is_file()
-        assert (out / "logs" / f"node{r}" / f"worker_{r}.log").is_file()
-    assert not (out / "logs" / "msrun.log").exists() and not (out / "launch.yaml").exists()
-
-    one_node = launcher.launch(CONFIG, 2, output=tmp_path / "one_node", steps=STEPS, progress=False, show_report=False)
-    one_card = launcher.launch(CONFIG, 1, ["parallel.parallel_mode=stand_alone"], output=tmp_path / "one_card",
-                               steps=STEPS, micro_batch=8, progress=False, show_report=False)
-    assert one_node.ok and one_card.ok
-    a, b, c = losses(out), losses(tmp_path / "one_node"), losses(tmp_path / "one_card")
-    print("two nodes", a, "\none node", b, "\none card", c)
-    assert len(a) == len(b) == len(c) == STEPS
-    assert a == b, "the same two workers, placed on two nodes, must compute the same thing"
-    assert max(abs(x - y) for x, y in zip(a, c)) <= 1e-5 * max(map(abs, c))
-
-
 FAULT_LIMIT_S = 60  # a fault between nodes must end both sides within this (the issue's bound)
 GATHER_S = 15  # parallel.cluster_timeout_s for the missing-node test: start-up of the scheduler and one worker
 # (python, MindSpore, mindformers imports) takes a few seconds on 2 cores, and the job must end well within the limit
@@ -125,7 +102,7 @@ GATHER_S = 15  # parallel.cluster_timeout_s for the missing-node test: start-up 
 
 def test_a_node_that_never_starts_is_named(tmp_path, netns):
     t0 = time.perf_counter()
-    alone = node(netns, 0, tmp_path / "alone", 29612, "--steps", str(STEPS),
+    alone = node(netns, 0, tmp_path / "alone", 29612, "--steps", "3",
                  "--set", f"parallel.cluster_timeout_s={GATHER_S}")
     res = finish(alone, FAULT_LIMIT_S + 30)
     took = time.perf_counter() - t0
@@ -136,9 +113,11 @@ def test_a_node_that_never_starts_is_named(tmp_path, netns):
     assert not left_behind(res) and not in_namespace(netns["ns"][0])
 
 
-def test_a_node_killed_mid_run_ends_both_sides_and_the_shared_folder_resumes(tmp_path, netns):
-    out = tmp_path / "killed"
-    run = ("--steps", "8", "--set", "train.save_every=2")
+def test_two_nodes_killed_and_resumed_equal_one_node_and_one_card(tmp_path, netns):
+    """Node 1's worker is killed mid-run: both sides end within the bound, named, with nothing left; both nodes
+    resume from the shared folder, and the whole run's losses equal one node with 2 workers and one card."""
+    out = tmp_path / "two_nodes"
+    run = ("--steps", str(STEPS), "--set", "train.save_every=2")
     n0 = node(netns, 0, out, 29613, *run)
     n1 = node(netns, 1, out, 29613, *run, "--kill-rank", "1", "--kill-after-step", "3")
     r1 = finish(n1, 300)  # node 1's worker dies with SIGKILL after step 3; its launcher reports it at once
@@ -150,11 +129,24 @@ def test_a_node_killed_mid_run_ends_both_sides_and_the_shared_folder_resumes(tmp
     assert not r0["ok"] and r0["failed_rank"] == 1 and "node 1's rank 1 stopped answering" in r0["reason"], r0
     assert took < FAULT_LIMIT_S
     assert not left_behind(r0, r1) and not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])
-    before = losses(out)
-    assert r0["checkpoint"].endswith("step_000002") and len(before) >= 3
+    assert r0["checkpoint"] and 2 <= int(r0["checkpoint"][-6:]) < STEPS
 
     resumed = [node(netns, r, out, 29614, *run, "--resume") for r in (0, 1)]
     res = [finish(p, 300) for p in resumed]
     assert all(r["ok"] for r in res), [r.get("reason") for r in res]
-    after = losses(out)
-    assert len(after) == 8 and after[:3] == before[:3], "steps 1-3 again from the step-2 checkpoint, bit for bit"
+    assert not left_behind(*res) and not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])
+    for r in (0, 1):  # each node its own logs and launch file; run-level files once
+        assert (out / "logs" / f"node{r}" / f"worker_{r}.log").is_file() and (out / f"launch_node{r}.yaml").is_file()
+    assert not (out / "logs" / "msrun.log").exists() and not (out / "launch.yaml").exists()
+
+    one_node = launcher.launch(CONFIG, 2, output=tmp_path / "one_node", steps=STEPS, progress=False, show_report=False)
+    one_card = launcher.launch(CONFIG, 1, ["parallel.parallel_mode=stand_alone"], output=tmp_path / "one_card",
+                               steps=STEPS, micro_batch=8, progress=False, show_report=False)
+    assert one_node.ok and one_card.ok
+    a, b, c = losses(out), losses(tmp_path / "one_node"), losses(tmp_path / "one_card")
+    print("two nodes", a, "\none node", b, "\none card", c)
+    assert len(a) == len(b) == len(c) == STEPS
+    # measured here: two nodes == one node bit for bit (the same two gradients, averaged in the same order); one
+    # card summed the 8 samples' gradients in another order: step 4 differed by 4.8e-7 (~4 float32 ulps of 7.9)
+    assert a == b, "the same two workers, placed on two nodes and resumed, must compute the same thing"
+    assert max(abs(x - y) for x, y in zip(a, c)) <= 1e-6 * max(map(abs, c))  # float32 reordering, ~8 ulps
