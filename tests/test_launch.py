@@ -149,6 +149,18 @@ def test_each_node_has_its_own_launch_file_and_logs_and_the_cluster_wait_is_conf
     assert "--cluster_time_out=15" in cmd and f"--log_dir={logs}" in cmd and "--node_rank=1" in cmd
 
 
+def test_the_report_names_the_node_that_never_joined(tmp_path):
+    kw = dict(output=tmp_path / "r", nodes=2, master_addr="10.1.2.3", master_port=29500,
+              overrides=["parallel.cluster_timeout_s=15"])
+    gave_up = supervisor.Outcome(supervisor.FAILED, code=1, reason=supervisor.CLUSTER_NOT_GATHERED)
+    node0 = validate.prepare("configs/dp2_cpu.yaml", 1, node_rank=0, **kw)
+    text = launch.missing_nodes(node0, gave_up)
+    assert text.startswith("node 1 (rank 1) never joined the cluster within parallel.cluster_timeout_s = 15 s")
+    node1 = validate.prepare("configs/dp2_cpu.yaml", 2, node_rank=1, micro_batch=2, **kw)
+    assert launch.missing_nodes(node1, gave_up).startswith("node 0 (ranks 0..1) never joined")
+    assert launch.missing_nodes(node0, supervisor.Outcome(supervisor.FAILED, rank=1, code=-9)) is None
+
+
 def test_one_msrun_builder():
     from labkit.parallel import msrun
 

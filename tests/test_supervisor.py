@@ -105,3 +105,23 @@ def test_interrupt_ends_every_process_and_is_raised(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         sv.supervise(sup, tick)
     assert len(sup.pids) == 3 and not alive(sup.pids)
+
+
+def test_what_the_scheduler_says_about_another_node_ends_the_job(tmp_path):
+    """Node 0's scheduler log names a rank whose heartbeat stopped, or says the cluster never gathered: the job
+    is failed at once (MindSpore's own processes would take half a minute more to exit)."""
+    sup = fake_job(tmp_path, "sleep")
+    until_ranks = time.perf_counter() + 20
+    while not sup.ranks and time.perf_counter() < until_ranks:
+        sup.poll()
+        time.sleep(sv.POLL_S)
+    assert sup.poll().state == sv.RUNNING
+    (tmp_path / "scheduler.log").write_text(
+        "[ERROR] DISTRIBUTED(1) [meta_server_node.cc:548] UpdateTopoState] The node: 1 is timed out. It may exit "
+        "with exception, please check this node's log.\n")
+    out = sup.poll()
+    assert (out.state, out.rank) == (sv.FAILED, 1) and out.reason.startswith("node 1's rank 1 stopped answering")
+    (tmp_path / "scheduler.log").write_text("RuntimeError: Failed to initialize distributed job cluster because\n")
+    out = sup.poll()
+    assert (out.state, out.reason) == (sv.FAILED, sv.CLUSTER_NOT_GATHERED)
+    assert sup.stop() == [] and not alive(sup.pids)
