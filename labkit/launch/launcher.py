@@ -16,10 +16,14 @@ What `launch()` does, in order:
    `labkit train` in a worker and only `mindspore.communication.init()` in the scheduler (which would otherwise
    import mindformers for nothing, ~6 s of CPU per launch). Per-rank logs: <output>/logs/worker_<rank>.log,
    msrun's own log: <output>/logs/msrun.log. One worker runs `labkit train` directly (no msrun, no scheduler).
+   With several nodes sharing <output>, each node writes <output>/launch_node<R>.yaml and <output>/logs/node<R>/,
+   and only node 0 writes run-level files; a loopback master is refused (msrun would start a scheduler per node).
 3. Shows progress from rank 0's <output>/metrics.jsonl and watches the worker processes itself: when one exits
    non-zero, every process of the job is ended at once (the survivors would otherwise wait in a collective until a
    timeout), and the report names the rank and shows the tail of its log. The same happens on KeyboardInterrupt
    (a notebook's interrupt button), and a small guard process ends the job if the launcher itself dies.
+   The watching is `supervisor.Supervisor.poll()`, one look returning an Outcome; it also reads the scheduler's
+   word on another node (never joined within parallel.cluster_timeout_s, or its heartbeat stopped) and names it.
 
 msrun puts each worker in its own session (`setsid`), so ending msrun's process group does not end the workers;
 the launcher records every process of the job (pid + start time) and ends each one.
