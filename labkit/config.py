@@ -339,9 +339,11 @@ class ParallelConfig:
     optimizer_shard: bool = False  # shard optimizer states over dp (MindSpore parallel optimizer; semi_auto/auto)
     search_mode: Literal["sharding_propagation", "recursive_programming"] = "sharding_propagation"  # auto_parallel
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"  # MindSpore device target
+    cluster_timeout_s: int = 120  # seconds every process waits for all workers of all nodes to join (msrun
+    # --cluster_time_out); then the job ends and the report names the node that never joined
 
     def validate(self, where: str = "parallel"):
-        _positive(self, where, "dp", "mp", "pp")
+        _positive(self, where, "dp", "mp", "pp", "cluster_timeout_s")
 
 
 @dataclass

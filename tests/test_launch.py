@@ -73,6 +73,12 @@ def test_missing_dataset_fails_before_any_worker_starts(tmp_path, no_start):
     (dict(config="configs/dp2_cpu.yaml", nodes=2, master_addr="10.0.0.1"), "explicit --master-port"),
     (dict(config="configs/dp2_cpu.yaml", nodes=2, node_rank=2, master_addr="h", master_port=29500), "outside 0..1"),
     (dict(config="configs/dp2_cpu.yaml", master_port=80), "outside 1024..65535"),
+    (dict(config="configs/dp2_cpu.yaml", nodes=2, master_addr="127.0.0.1", master_port=29500),
+     "is a loopback address and --nodes > 1: msrun decides it is the master"),
+    (dict(config="configs/dp2_cpu.yaml", nodes=2, master_addr="localhost", master_port=29500), "loopback"),
+    (dict(config="configs/dp2_cpu.yaml", nodes=2, master_addr="no-such-host.invalid", master_port=29500),
+     "does not resolve"),
+    (dict(config="configs/dp2_cpu.yaml", overrides=["parallel.cluster_timeout_s=0"]), "cluster_timeout_s must be > 0"),
     (dict(config="configs/dp2_cpu.yaml", overrides=["trian.steps=3"]), "unknown key 'trian'"),
     (dict(config="configs/dp2_cpu.yaml", overrides=["train.init_checkpoint=no/such.ckpt"]), "no/such.ckpt not found"),
 ])
@@ -119,6 +125,52 @@ def test_command_single_node_and_multi_node(tmp_path):
 
     single = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False)
     assert validate.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit", "train"]
+
+
+def test_loopback_master_with_several_nodes_is_refused_with_the_reason(tmp_path, no_start):
+    e = refused(tmp_path, "loopback", config="configs/dp2_cpu.yaml", nodes=2, master_addr="127.0.0.1",
+                master_port=29500)
+    assert "every node would start a scheduler" in e.what and "network namespace" in e.fix
+    mine = sorted(a for a in validate.local_addresses() if "." in a and not a.startswith("127."))
+    if mine:  # node 1 given this machine's own address: it would start a second scheduler
+        e = refused(tmp_path, "not node 0", config="configs/dp2_cpu.yaml", nodes=2, node_rank=1, master_addr=mine[0],
+                    master_port=29500)
+
+
+def test_each_node_has_its_own_launch_file_and_logs_and_the_cluster_wait_is_configured(tmp_path):
+    one = validate.prepare("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517)
+    assert validate.node_files(one) == (tmp_path / "r" / "launch.yaml", tmp_path / "r" / "logs")
+    assert "--cluster_time_out=120" in validate.command(one, *validate.node_files(one))
+    two = validate.prepare("configs/dp2_cpu.yaml", 1, output=tmp_path / "r", nodes=2, node_rank=1,
+                           master_addr="10.1.2.3", master_port=29500, overrides=["parallel.cluster_timeout_s=15"])
+    cfg, logs = validate.node_files(two)
+    assert (cfg.name, logs.relative_to(tmp_path / "r").as_posix()) == ("launch_node1.yaml", "logs/node1")
+    cmd = validate.command(two, cfg, logs)
+    assert "--cluster_time_out=15" in cmd and f"--log_dir={logs}" in cmd and "--node_rank=1" in cmd
+
+
+def test_the_report_names_the_node_that_never_joined(tmp_path):
+    kw = dict(output=tmp_path / "r", nodes=2, master_addr="10.1.2.3", master_port=29500,
+              overrides=["parallel.cluster_timeout_s=15"])
+    gave_up = supervisor.Outcome(supervisor.FAILED, code=1, reason=supervisor.CLUSTER_NOT_GATHERED)
+    node0 = validate.prepare("configs/dp2_cpu.yaml", 1, node_rank=0, **kw)
+    text = launch.missing_nodes(node0, gave_up)
+    assert text.startswith("node 1 (rank 1) never joined the cluster within parallel.cluster_timeout_s = 15 s")
+    node1 = validate.prepare("configs/dp2_cpu.yaml", 2, node_rank=1, micro_batch=2, **kw)
+    assert launch.missing_nodes(node1, gave_up).startswith("node 0 (ranks 0..1) never joined")
+    assert launch.missing_nodes(node0, supervisor.Outcome(supervisor.FAILED, rank=1, code=-9)) is None
+
+
+def test_one_msrun_builder():
+    from labkit.parallel import msrun
+
+    line = msrun.msrun_args(4, 2, master_port=29500, log_dir="L", master_addr="10.0.0.1", node_rank=1,
+                            cluster_time_out=30, tail_worker_log=msrun.NO_TAIL)
+    assert line == ["msrun", "--worker_num=4", "--local_worker_num=2", "--master_addr=10.0.0.1", "--node_rank=1",
+                    "--master_port=29500", "--log_dir=L", "--join=True", "--cluster_time_out=30",
+                    "--tail_worker_log=65535"]
+    with pytest.raises(LabkitError, match="do not split"):
+        msrun.msrun_args(3, 2, master_port=29500, log_dir="L")
 
 
 def test_workers_get_the_callers_python_first_on_path(tmp_path):

@@ -16,10 +16,14 @@ What `launch()` does, in order:
    `labkit train` in a worker and only `mindspore.communication.init()` in the scheduler (which would otherwise
    import mindformers for nothing, ~6 s of CPU per launch). Per-rank logs: <output>/logs/worker_<rank>.log,
    msrun's own log: <output>/logs/msrun.log. One worker runs `labkit train` directly (no msrun, no scheduler).
+   With several nodes sharing <output>, each node writes <output>/launch_node<R>.yaml and <output>/logs/node<R>/,
+   and only node 0 writes run-level files; a loopback master is refused (msrun would start a scheduler per node).
 3. Shows progress from rank 0's <output>/metrics.jsonl and watches the worker processes itself: when one exits
    non-zero, every process of the job is ended at once (the survivors would otherwise wait in a collective until a
    timeout), and the report names the rank and shows the tail of its log. The same happens on KeyboardInterrupt
    (a notebook's interrupt button), and a small guard process ends the job if the launcher itself dies.
+   The watching is `supervisor.Supervisor.poll()`, one look returning an Outcome; it also reads the scheduler's
+   word on another node (never joined within parallel.cluster_timeout_s, or its heartbeat stopped) and names it.
 
 msrun puts each worker in its own session (`setsid`), so ending msrun's process group does not end the workers;
 the launcher records every process of the job (pid + start time) and ends each one.
@@ -36,8 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from labkit.training.metrics import read_metrics
-from labkit.launch.validate import CLUSTER_ENV, PreparedLaunch, command, prepare, python_on_path
-from labkit.launch.supervisor import EXIT_REPORT_S, FINISH_GRACE_S, Job, MSRUN_WORKER_ERROR, POLL_S, log_tail, read_log, start_guard, summary_from_log
+from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
+                                    python_on_path)
+from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Outcome, Supervisor, log_tail, start_guard,
+                                      summary_from_log, supervise)
 
 
 @dataclass
@@ -74,7 +80,7 @@ class LaunchResult:
                 line += (f": loss {s['first_loss']:.4f} → {s['final_loss']:.4f}, "
                          f"{s['tokens_per_s']:.0f} tokens/s (global batch {s['global_batch']})")
             return f"{line}\nmetrics: {self.metrics}\ncheckpoint: {self.checkpoint}\nlogs: {self.logs}"
-        ended = (f"every process of the job was ended" if not self.survivors
+        ended = ("every process of the job was ended" if not self.survivors
                  else f"processes {self.survivors} could not be ended")
         text = [f"FAILED: {self.reason}", f"{ended}; logs: {self.logs}"]
         if self.log_tail:
@@ -88,10 +94,15 @@ class LaunchResult:
         return self.report()
 
 
-# ---------------------------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class LaunchFiles:
+    """What a launch wrote before starting: this node's config and log folder, and the command."""
 
-
-# ---------------------------------------------------------------------------------------------- running
+    output: Path
+    logs: Path  # this node's log folder
+    config_file: Path
+    metrics: Path  # rank 0's metrics.jsonl
+    command: tuple
 
 
 def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, output=None, nodes: int = 1,
@@ -104,149 +115,170 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     `kill_rank`/`kill_after_step` are a fault drill: SIGKILL that rank once rank 0 has logged that step.
     `timeout` (seconds) ends the job as failed when it runs longer. Every process is ended before returning,
     also on KeyboardInterrupt (which is then re-raised)."""
-    from labkit.config import dump_run_config
-    from labkit.paths import RUNS
-    from labkit.io import atomic_write_text
-
     log = log or (lambda m: print(m, file=sys.stderr))
     pl = prepare(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
-              master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
-              micro_batch=micro_batch, accum=accum, seed=seed)
+                 master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
+                 micro_batch=micro_batch, accum=accum, seed=seed)
+    files = write_files(pl, overwrite)
+    log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in "
+        f"{files.logs}")
+    log(" ".join(files.command))
+    sup, guard = start(pl, files, timeout)
+    watch = Watch(pl, files, sup, progress, kill_rank, kill_after_step, log)
+    outcome = None
+    try:
+        outcome = supervise(sup, watch.tick)
+    finally:
+        watch.close()
+        if outcome is not None and outcome.state == FINISHED and not pl.total == 1:
+            sup.wait_root(30)  # msrun ends by itself once its scheduler is done
+        survivors = sup.stop()
+        if guard is not None:
+            guard.kill()
+            guard.wait()
+    result = report(pl, files, sup, outcome, watch.steps_seen)
+    result.survivors = survivors
+    if show_report:
+        log(result.report())
+    return result
+
+
+def write_files(pl: PreparedLaunch, overwrite: bool) -> LaunchFiles:
+    """Node 0 clears an overwritten run and trims a resumed run's metrics; every node writes its own config."""
+    from labkit.config import dump_run_config
+    from labkit.io import atomic_write_text
+
     out = Path(pl.output)
-    logs = out / "logs"
-    if not resume and overwrite:
+    config_file, logs = node_files(pl)
+    if pl.node_rank == 0 and not pl.resume and overwrite:
         _clear_run(out)
-    if resume:  # what `labkit train --resume` does first; done here so progress does not show the dead run's steps
+    if pl.node_rank == 0 and pl.resume:  # what `labkit train --resume` does first; progress then starts there
         from labkit.training.metrics import rewrite_metrics
 
         rewrite_metrics(out, [r for r in read_metrics(out) if r.get("step", 0) <= pl.start_step])
     logs.mkdir(parents=True, exist_ok=True)
-    config_file = atomic_write_text(out / "launch.yaml", dump_run_config(pl.cfg))
-    cmd = command(pl, config_file, logs)
+    for old in [logs / "scheduler.log", *logs.glob("worker_*.log")]:  # msrun overwrites them once it starts its
+        old.unlink(missing_ok=True)  # processes; until then the supervisor must not read a previous run's words
+    atomic_write_text(config_file, dump_run_config(pl.cfg))
+    return LaunchFiles(output=out, logs=logs, config_file=config_file, metrics=out / "metrics.jsonl",
+                       command=tuple(command(pl, config_file, logs)))
+
+
+def job_env(logs: Path) -> dict:
+    """The workers' environment: no inherited cluster variables, quiet logs, the caller's python first on PATH."""
+    from labkit.paths import RUNS
+
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}
     env.setdefault("GLOG_v", "3")  # quiet MindSpore; mindformers' file logs go under runs/, not ./output
     env.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
     env.setdefault("TQDM_MININTERVAL", "5")
     env.setdefault("MS_OM_PATH", str(logs))  # a failed graph compile writes rank_N/om/analyze_fail.ir here, not ./
-    env = python_on_path(env, logs / ".bin")
-    first_rank = pl.node_rank * pl.workers
-    single = pl.total == 1
-    metrics = out / "metrics.jsonl"
-    log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in {logs}")
-    log(" ".join(cmd))
+    return python_on_path(env, logs / ".bin")
 
+
+def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None):
+    """Start the job's root process (msrun, or the single worker) in its own session, and the guard."""
+    single = pl.total == 1
     started = time.perf_counter()
-    sink = open(logs / ("worker_0.log" if single else "msrun.log"), "w", encoding="utf-8")
-    root = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    sink = open(files.logs / ("worker_0.log" if single else "msrun.log"), "w", encoding="utf-8")
+    root = subprocess.Popen(list(files.command), env=job_env(files.logs), stdin=subprocess.DEVNULL, stdout=sink,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     sink.close()
-    job = Job(root, single, first_rank)
-    guard = start_guard(root.pid)
-    bar = _bar(pl, progress)
-    result = LaunchResult(ok=False, returncode=1, workers=pl.total, output=str(out), metrics=str(metrics),
-                          logs=str(logs), master_port=pl.master_port, command=cmd)
-    steps_seen, killed, failed_at, first_death = pl.start_step, None, None, None
-    ended_at: dict[int, float] = {}
-    try:
-        while True:
-            time.sleep(POLL_S)
-            job.refresh()
-            rows = read_metrics(out) if (pl.node_rank == 0) else []
-            if rows and rows[-1].get("step", 0) > steps_seen:
-                steps_seen = rows[-1]["step"]
-                if bar is not None:
-                    bar.update(steps_seen - bar.n)
-                    bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", refresh=False)
-            if kill_rank is not None and not killed and steps_seen >= kill_after_step and kill_rank in job.ranks:
-                log(f"fault drill: SIGKILL to rank {kill_rank} (pid {job.ranks[kill_rank].pid}) after step "
-                    f"{steps_seen}")
-                os.kill(job.ranks[kill_rank].pid, signal.SIGKILL)
-                killed = time.perf_counter()
-            now = time.perf_counter()
-            failure = None
-            if single:
-                code = root.poll()
-                if code is not None:
-                    first_death = killed or now
-                    if code != 0:
-                        failure = (first_rank, code)
-                    break
-            else:
-                codes = {int(pid): int(c) for pid, c in MSRUN_WORKER_ERROR.findall(read_log(logs / "msrun.log"))}
-                by_pid = {p.pid: r for r, p in job.ranks.items()}
-                bad = [(by_pid.get(pid), c) for pid, c in codes.items()]
-                for r, p in job.ranks.items():
-                    if job.ended(p):
-                        ended_at.setdefault(r, now)
-                first_death = killed or (min(ended_at.values()) if ended_at else None)
-                if bad:
-                    failure = bad[0]
-                elif root.poll() is not None:  # msrun ended: 0 = it saw every worker exit 0
-                    if root.returncode == 0:
-                        break
-                    failure = (None, root.returncode)  # msrun itself gave up (bad arguments, cluster timeout)
-                elif len(ended_at) == pl.workers and all(now - t > EXIT_REPORT_S for t in ended_at.values()):
-                    break  # every worker exited 0; msrun may still wait for its scheduler
-                elif ended_at and now - min(ended_at.values()) > FINISH_GRACE_S:
-                    failure = (None, 1)
-                    result.reason = (f"ranks {sorted(set(job.ranks) - set(ended_at))} still running "
-                                     f"{FINISH_GRACE_S:.0f} s after rank {min(ended_at, key=ended_at.get)} finished")
-            if failure is None and timeout is not None and now - started > timeout:
-                failure = (None, 1)
-                result.reason = f"timed out after {timeout:g} s (step {steps_seen})"
-            if failure is not None:
-                failed_at = first_death or time.perf_counter()
-                result.failed_rank, result.returncode = failure
-                break
-    except BaseException:
-        job.kill_all()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        if failed_at is None and not single:
-            deadline = time.perf_counter() + 30
-            while root.poll() is None and time.perf_counter() < deadline:
-                time.sleep(POLL_S)
-        job.kill_all()
-        if guard is not None:
-            guard.kill()
-            guard.wait()
-        result.pids = sorted(job.procs)
-        result.survivors = sorted(p.pid for p in job.alive())
+    sup = Supervisor(root, single=single, first_rank=pl.node_rank * pl.workers, workers=pl.workers,
+                     msrun_log=files.logs / "msrun.log", timeout=timeout, started=started)
+    return sup, start_guard(root.pid)
+
+
+class Watch:
+    """After each look at the job: progress from rank 0's metrics (node 0 only) and the fault drill."""
+
+    def __init__(self, pl, files, sup, progress, kill_rank, kill_after_step, log):
+        self.pl, self.files, self.sup, self.log = pl, files, sup, log
+        self.kill_rank, self.kill_after_step, self.killed = kill_rank, kill_after_step, False
+        self.steps_seen = pl.start_step
+        self.bar = _bar(pl, progress)
+
+    def tick(self):
+        rows = read_metrics(self.files.output)  # the shared folder: every node sees rank 0's steps
+        if rows and rows[-1].get("step", 0) > self.steps_seen:
+            self.steps_seen = rows[-1]["step"]
+            if self.bar is not None:
+                self.bar.update(self.steps_seen - self.bar.n)
+                self.bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", refresh=False)
+        k = self.kill_rank
+        if k is not None and not self.killed and self.steps_seen >= self.kill_after_step and k in self.sup.ranks:
+            pid = self.sup.kill_rank(k)
+            self.log(f"fault drill: SIGKILL to rank {k} (pid {pid}) after step {self.steps_seen}")
+            self.killed = True
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def report(pl: PreparedLaunch, files: LaunchFiles, sup: Supervisor, outcome: Outcome, steps_seen: int) -> LaunchResult:
+    """The LaunchResult of an ended job: figures, newest checkpoint, and on failure who, why and the log tail."""
     from labkit.training import checkpoint
 
-    result.seconds = time.perf_counter() - started
-    result.steps_done = max([steps_seen] + [r.get("step", 0) for r in read_metrics(out)])
-    ck = checkpoint.latest(out)
+    logs = files.logs
+    result = LaunchResult(ok=False, returncode=1, workers=pl.total, output=str(files.output),
+                          metrics=str(files.metrics), logs=str(logs), master_port=pl.master_port,
+                          command=list(files.command), pids=sup.pids)
+    result.seconds = time.perf_counter() - sup.started
+    result.steps_done = max([steps_seen] + [r.get("step", 0) for r in read_metrics(files.output)])
+    ck = checkpoint.latest(files.output)
     result.checkpoint = str(ck) if ck else None
-    result.summary = summary_from_log(logs / "worker_0.log") if pl.node_rank == 0 else None
-    if failed_at is not None:
-        result.stop_seconds = time.perf_counter() - failed_at
-        result.ok = False
-        rank = result.failed_rank
-        if result.reason is None:
-            code = result.returncode
-            how = f"exited with code {code}"
-            if code < 0:
-                with contextlib.suppress(ValueError):
-                    how = f"was killed by signal {signal.Signals(-code).name} (exit {code})"
-            who = f"rank {rank} (pid {job.ranks[rank].pid})" if rank is not None else "msrun"
-            result.reason = f"{who} {how} after {result.steps_done} of {pl.cfg.train.steps} steps"
-        own = logs / f"worker_{rank if rank is not None else first_rank}.log"
-        result.log_tail = log_tail(own if rank is not None or result.reason.startswith(("timed", "ranks"))
-                                   else logs / "msrun.log")
-        if result.returncode == 0:
-            result.returncode = 1
+    first_rank = pl.node_rank * pl.workers
+    result.summary = summary_from_log(logs / f"worker_{first_rank}.log") if pl.node_rank == 0 else None
+    if outcome.state != FINISHED:
+        result.stop_seconds = time.perf_counter() - (outcome.first_death or time.perf_counter())
+        result.failed_rank = outcome.rank
+        result.returncode = outcome.code if outcome.code else 1
+        result.reason = missing_nodes(pl, outcome) or outcome.reason or failure_reason(pl, sup, outcome,
+                                                                                         result.steps_done)
+        if outcome.state == TIMEOUT:
+            result.reason += f" (step {result.steps_done})"
+        own = logs / f"worker_{outcome.rank}.log"  # a rank of another node has its log there, not here
+        if outcome.rank is None or not own.exists():
+            by_rank = outcome.rank is not None or outcome.state == TIMEOUT or outcome.reason is not None
+            own = logs / f"worker_{first_rank}.log" if by_rank else logs / "msrun.log"
+        result.log_tail = log_tail(own)
     elif pl.node_rank == 0 and not (result.summary or {}).get("ok"):
-        result.ok, result.returncode, result.failed_rank = False, 1, 0
+        result.failed_rank = 0
         result.reason = "rank 0 ended without its summary line"
         result.log_tail = log_tail(logs / "worker_0.log")
     else:
         result.ok, result.returncode = True, 0
-    if show_report:
-        log(result.report())
     return result
+
+
+def failure_reason(pl: PreparedLaunch, sup: Supervisor, outcome: Outcome, steps_done: int) -> str:
+    """One sentence: which rank (or msrun, or a node that never joined) ended how, after how many steps."""
+    code, rank = outcome.code or 1, outcome.rank
+    how = f"exited with code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            how = f"was killed by signal {signal.Signals(-code).name} (exit {code})"
+    if rank is not None:
+        return f"rank {rank} (pid {sup.ranks[rank].pid}) {how} after {steps_done} of {pl.cfg.train.steps} steps"
+    return f"msrun {how} after {steps_done} of {pl.cfg.train.steps} steps"
+
+
+def missing_nodes(pl: PreparedLaunch, outcome: Outcome) -> str | None:
+    """When the cluster never gathered: the nodes (and their ranks) that did not join, by name. Node 0 sees only
+    its own workers, so it names every other node; another node names node 0, whose scheduler it never reached."""
+    if outcome.reason != CLUSTER_NOT_GATHERED:
+        return None
+    ranks = lambda n: f"rank {n * pl.workers}" if pl.workers == 1 else \
+        f"ranks {n * pl.workers}..{(n + 1) * pl.workers - 1}"  # noqa: E731
+    others = [n for n in range(pl.nodes) if n != pl.node_rank] if pl.node_rank == 0 else [0]
+    names = ", ".join(f"node {n} ({ranks(n)})" for n in others)
+    waited = f"within parallel.cluster_timeout_s = {cluster_timeout(pl.cfg)} s"
+    if pl.nodes == 1:
+        return f"the {pl.total} workers of this machine did not gather {waited}"
+    return (f"{names} never joined the cluster {waited} (this is node {pl.node_rank}); start every node with the "
+            f"same --nodes, --master-addr and --master-port, and check that node {0 if pl.node_rank else 1} can "
+            f"reach {pl.master_addr}:{pl.master_port}")
 
 
 def _clear_run(out: Path):
@@ -265,12 +297,6 @@ def _bar(pl: PreparedLaunch, enabled: bool):
 
     return tqdm(total=pl.cfg.train.steps, initial=pl.start_step, unit="step", file=sys.stderr,
                 desc=f"rank 0 of {pl.total}")
-
-
-# ------------------------------------------------------------------------------------- comparing runs
-
-
-# ------------------------------------------------------------------------------------ communication probe
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -304,7 +330,7 @@ def _cli(args) -> int:
               seed=args.seed)
     if args.dry_run:
         pl = prepare(args.config, args.workers, **kw)
-        cmd = command(pl, Path(pl.output) / "launch.yaml", Path(pl.output) / "logs")
+        cmd = command(pl, *node_files(pl))
         payload = {"ok": True, "workers": pl.total, "parallel_mode": pl.mode, "dp": pl.dp,
                    "global_batch": pl.global_batch, "dataset": pl.dataset, "output": pl.output,
                    "master_port": pl.master_port, "command": cmd}

@@ -9,11 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
 # msrun's own report of a failed worker (mindspore/parallel/cluster/process_entity/_api.py, MindSpore 2.9)
 MSRUN_WORKER_ERROR = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+
+
+# what MindSpore 2.9's init() raises in the scheduler and the workers when the cluster did not gather within
+# msrun's --cluster_time_out (mindspore/ccsrc/cluster/init.cc)
+CLUSTER_NOT_GATHERED = "Failed to initialize distributed job cluster"
+# the scheduler's word for a worker whose heartbeat stopped (its node died or was cut off; meta_server_node.cc)
+NODE_TIMED_OUT = re.compile(r"The node: (\d+) is timed out")
 
 
 POLL_S = 0.25  # how often the launcher looks at the workers
@@ -109,6 +117,142 @@ class Job:
             pass
 
 
+RUNNING, FINISHED, FAILED, TIMEOUT, INTERRUPTED = "running", "finished", "failed", "timeout", "interrupted"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one look at a job found: still running, all finished, a rank (or msrun) failed, timed out, interrupted."""
+
+    state: str  # RUNNING, FINISHED, FAILED, TIMEOUT or INTERRUPTED
+    rank: int | None = None  # the failed rank; None = msrun itself, or not a rank's fault
+    code: int | None = None  # its exit code (negative = killed by that signal)
+    reason: str | None = None  # a sentence, when the state alone does not say it
+    first_death: float | None = None  # perf_counter time the first process of the job ended
+
+    @property
+    def done(self) -> bool:
+        return self.state != RUNNING
+
+
+class Supervisor:
+    """Watches one job: `poll()` looks once and returns an Outcome; `stop()` ends every process of the job.
+
+    `single` means the root process is the only worker (no msrun); otherwise the root is msrun, whose log
+    `msrun_log` carries its report of failed workers, and `workers` ranks run on this node from `first_rank`."""
+
+    def __init__(self, root: subprocess.Popen, *, single: bool, first_rank: int = 0, workers: int = 1,
+                 msrun_log: Path | None = None, timeout: float | None = None, started: float | None = None):
+        self.root, self.single, self.workers, self.msrun_log = root, single, workers, msrun_log
+        self.job = Job(root, single, first_rank)
+        self.timeout = timeout
+        self.started = time.perf_counter() if started is None else started
+        self.ended_at: dict[int, float] = {}  # rank -> when this supervisor first saw it gone
+        self.killed_at: float | None = None  # when the launcher killed a rank on purpose (fault drill)
+
+    @property
+    def ranks(self) -> dict:
+        return self.job.ranks
+
+    def poll(self) -> Outcome:
+        now = time.perf_counter()
+        self.job.refresh()
+        out = self._poll_single(now) if self.single else self._poll_msrun(now)
+        if out.state == RUNNING and self.timeout is not None and now - self.started > self.timeout:
+            return Outcome(TIMEOUT, reason=f"timed out after {self.timeout:g} s", first_death=now)
+        return out
+
+    def _poll_single(self, now: float) -> Outcome:
+        code = self.root.poll()
+        if code is None:
+            return Outcome(RUNNING)
+        death = self.killed_at or now
+        if code != 0:
+            return Outcome(FAILED, rank=self.job.first_rank, code=code, first_death=death)
+        return Outcome(FINISHED, first_death=death)
+
+    def _poll_msrun(self, now: float) -> Outcome:
+        fault = self.cluster_fault(now)
+        if fault is not None:
+            return fault
+        codes = {int(pid): int(c) for pid, c in MSRUN_WORKER_ERROR.findall(read_log(self.msrun_log))}
+        by_pid = {p.pid: r for r, p in self.job.ranks.items()}
+        for r, p in self.job.ranks.items():
+            if self.job.ended(p):
+                self.ended_at.setdefault(r, now)
+        death = self.killed_at or (min(self.ended_at.values()) if self.ended_at else None)
+        if codes:
+            pid, code = next(iter(codes.items()))
+            return Outcome(FAILED, rank=by_pid.get(pid), code=code, first_death=death)
+        if self.root.poll() is not None:  # msrun ended: 0 = it saw every worker exit 0
+            if self.root.returncode == 0:
+                return Outcome(FINISHED, first_death=death)
+            return Outcome(FAILED, code=self.root.returncode, first_death=death or now)  # msrun gave up
+        if len(self.ended_at) == self.workers and all(now - t > EXIT_REPORT_S for t in self.ended_at.values()):
+            return Outcome(FINISHED, first_death=death)  # every worker exited 0; msrun may still wait for its scheduler
+        if self.ended_at and now - min(self.ended_at.values()) > FINISH_GRACE_S:
+            first = min(self.ended_at, key=self.ended_at.get)
+            return Outcome(FAILED, code=1, first_death=death, reason=(
+                f"ranks {sorted(set(self.job.ranks) - set(self.ended_at))} still running {FINISH_GRACE_S:.0f} s "
+                f"after rank {first} finished"))
+        return Outcome(RUNNING)
+
+    def cluster_fault(self, now: float) -> Outcome | None:
+        """What the scheduler (node 0) or this node's workers say about the cluster: it never gathered (a node
+        missing), or a rank stopped answering the heartbeat (its node died). MindSpore's processes can take half
+        a minute more to exit after saying so: the job is ended at once."""
+        logs = self.msrun_log.parent
+        sched = log_end(logs / "scheduler.log")
+        lost = NODE_TIMED_OUT.findall(sched)
+        if lost:
+            rank = int(lost[0])
+            where = f"node {rank // self.workers}'s " if rank not in self.job.ranks else ""
+            return Outcome(FAILED, rank=rank, code=1, first_death=now, reason=(
+                f"{where}rank {rank} stopped answering the scheduler's heartbeat (its process or its node ended)"))
+        if any(CLUSTER_NOT_GATHERED in text for text in
+               [sched] + [log_end(logs / f"worker_{r}.log") for r in self.job.ranks]):
+            return Outcome(FAILED, code=1, reason=CLUSTER_NOT_GATHERED, first_death=now)
+        return None
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL one rank (a fault drill); returns its pid."""
+        pid = self.job.ranks[rank].pid
+        os.kill(pid, signal.SIGKILL)
+        self.killed_at = time.perf_counter()
+        return pid
+
+    def wait_root(self, seconds: float) -> None:
+        """Give msrun up to `seconds` to end by itself (after its workers finished)."""
+        deadline = time.perf_counter() + seconds
+        while self.root.poll() is None and time.perf_counter() < deadline:
+            time.sleep(POLL_S)
+
+    def stop(self) -> list[int]:
+        """End every process of the job; returns the pids still alive afterwards (should be none)."""
+        self.job.kill_all()
+        return sorted(p.pid for p in self.job.alive())
+
+    @property
+    def pids(self) -> list[int]:
+        return sorted(self.job.procs)
+
+
+def supervise(sup: Supervisor, on_tick=None) -> Outcome:
+    """Poll until the job is done; `on_tick()` runs after every look (progress, fault drills).
+    On KeyboardInterrupt every process is ended and the interrupt re-raised."""
+    try:
+        while True:
+            time.sleep(POLL_S)
+            out = sup.poll()
+            if on_tick is not None:
+                on_tick()
+            if out.done:
+                return out
+    except BaseException:
+        sup.stop()
+        raise
+
+
 _NOISE = re.compile(r" - (INFO|DEBUG|WARNING) - |^\[(INFO|DEBUG|WARNING)\]|^\s*$")
 
 
@@ -153,6 +297,17 @@ def start_guard(job_root: int) -> subprocess.Popen | None:
         return None
 
 
+def log_end(path: Path, size: int = 16_384) -> str:
+    """The last `size` bytes of a log ("" when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def read_log(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8", errors="replace")
@@ -188,3 +343,4 @@ def guard(parent_pid: int, root_pid: int) -> None:
                     pass
             return
         time.sleep(0.5)
+

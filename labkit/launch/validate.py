@@ -8,14 +8,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from labkit.errors import LabkitError
+from labkit.parallel.msrun import NO_TAIL, msrun_args, msrun_head
 
 
 # variables msrun sets for its workers; a launch from inside a worker must not inherit them
 CLUSTER_ENV = ("MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_ROLE", "MS_NODE_ID", "MS_TOPO_TIMEOUT",
                "RANK_ID", "RANK_SIZE", "DEVICE_ID", "MS_SIMULATION_LEVEL")
-
-
-NO_TAIL = "65535"  # --tail_worker_log value naming no rank: msrun copies no worker log into its own output
 
 
 @dataclass
@@ -73,28 +71,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, output=None, nodes: int = 1,
-         node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None, resume: bool = False,
-         overwrite: bool = False, steps=None, micro_batch=None, accum=None, seed=None) -> PreparedLaunch:
-    """Validate a launch without starting anything (the dataset is built here on first use)."""
-    from labkit.training import checkpoint
-    from labkit.data import dataset as data
-    from labkit.data import loader
-    from labkit.parallel import context as parallel
-    from labkit.training.world import World, check_batch, dp_size
+@dataclass(frozen=True)
+class Layout:
+    """How many workers run where, and where node 0's scheduler listens."""
 
+    workers: int  # worker processes on this node
+    nodes: int
+    node_rank: int
+    total: int  # workers on all nodes
+    master_addr: str | None  # None for a single worker
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The parallel mode the workers run and the batch arithmetic it implies."""
+
+    mode: str
+    dp: int
+    global_batch: int
+
+
+LOOPBACK_FIX = ("give node 0's address on a network every node reaches; to try several nodes on one machine, put "
+                "each in its own network namespace joined by a veth pair (README, cluster section)")
+
+
+def check_layout(workers: int, nodes: int, node_rank: int, master_addr: str | None,
+                 master_port: int | None) -> Layout:
+    """Worker and node counts, node rank, and a master address every node can use."""
     for name, v, low in (("workers", workers, 1), ("nodes", nodes, 1)):
         if not isinstance(v, int) or v < low:
             raise LabkitError(f"--{name} must be an integer >= {low}, got {v!r}")
     if not 0 <= node_rank < nodes:
         raise LabkitError(f"--node-rank {node_rank} is outside 0..{nodes - 1}", "number the nodes 0..M-1")
-    if nodes > 1 and not master_addr:
-        raise LabkitError("--nodes > 1 needs --master-addr (the host of node 0, reachable from every node)")
-    if nodes > 1 and master_port is None:
-        raise LabkitError("--nodes > 1 needs an explicit --master-port", "give every node the same free port")
-    cfg = resolve_config(config, overrides, steps=steps, micro_batch=micro_batch, accum=accum, seed=seed,
-                         output=output)
+    if nodes > 1:
+        if not master_addr:
+            raise LabkitError("--nodes > 1 needs --master-addr (the host of node 0, reachable from every node)")
+        if master_port is None:
+            raise LabkitError("--nodes > 1 needs an explicit --master-port", "give every node the same free port")
+        check_master_addr(master_addr, node_rank)
     total = workers * nodes
+    return Layout(workers=workers, nodes=nodes, node_rank=node_rank, total=total,
+                  master_addr=(master_addr or "127.0.0.1") if total > 1 else None)
+
+
+def local_addresses() -> set[str]:
+    """The IPv4/IPv6 addresses of this machine's (this network namespace's) interfaces."""
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def check_master_addr(master_addr: str, node_rank: int) -> str:
+    """With several nodes, msrun decides that it runs the master (scheduler) when --master-addr is one of this
+    machine's own addresses: a loopback master, or node 0's address given on another node of the same machine,
+    would start a second scheduler. Refuse both before anything starts."""
+    import ipaddress
+
+    try:
+        ip = socket.getaddrinfo(master_addr, None)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        raise LabkitError(f"--master-addr {master_addr} does not resolve to an address",
+                          "give node 0's IP address or a host name every node resolves") from None
+    why = ("msrun decides it is the master by --master-addr being one of its own addresses, so every node would "
+           "start a scheduler")
+    if ipaddress.ip_address(ip).is_loopback:
+        raise LabkitError(f"--master-addr {master_addr} is a loopback address and --nodes > 1: {why} and the "
+                          "other nodes could not reach it", LOOPBACK_FIX)
+    if node_rank > 0 and ip in local_addresses():
+        raise LabkitError(f"--master-addr {master_addr} is an address of this machine, but this is node "
+                          f"{node_rank}, not node 0: {why}", LOOPBACK_FIX)
+    return ip
+
+
+def resolve_parallel(cfg, total: int) -> Parallel:
+    """The parallel mode for `total` workers (more than one means data_parallel unless the config says otherwise),
+    checked against the hardware, and global batch = micro_batch x dp x accum against train.global_batch."""
+    from labkit.parallel import context as parallel
+    from labkit.training.world import World, check_batch, dp_size
+
     p = cfg.parallel
     mode = p.parallel_mode or ("data_parallel" if total > 1 else "stand_alone")
     parallel.require_hardware(mode, p.device_target, total)
@@ -105,68 +160,52 @@ def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, o
         raise LabkitError(f"parallel.parallel_mode {mode} needs at least 2 workers",
                           "use --workers 2 or more, or --set parallel.parallel_mode=stand_alone for one worker")
     dp = dp_size(cfg, World(0, total, mode))
-    global_batch = check_batch(cfg, dp)
-    p.parallel_mode = mode
+    return Parallel(mode=mode, dp=dp, global_batch=check_batch(cfg, dp))
 
-    if cfg.data.dataset:
-        dataset = Path(cfg.data.dataset) if Path(cfg.data.dataset).is_absolute() else data.lab_path(cfg.data.dataset)
-        if not dataset.is_dir():
-            raise LabkitError(f"data.dataset {cfg.data.dataset} not found (looked at {dataset.resolve()})",
-                              "build it with `labkit data build ...`, fix the path, or set data.dataset: null to "
-                              "build the shipped corpus on first use")
-    else:
-        dataset = data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer)
-    stats = data.read_stats(dataset)
-    if stats.get("seq_len") not in (None, cfg.data.seq_len):
-        raise LabkitError(f"dataset {dataset} holds samples of seq_len {stats['seq_len']}, the config asks for "
-                          f"{cfg.data.seq_len}", "set data.seq_len to match or rebuild the dataset")
-    vocab = cfg.model_config().vocab_size
-    if stats.get("vocab_size") and stats["vocab_size"] > vocab:
-        raise LabkitError(f"dataset tokenizer has {stats['vocab_size']} tokens, the model's vocab_size is {vocab}",
-                          "use the matching tokenizer or resize the embeddings")
-    loader.check_layout(stats["n_samples"], cfg.train.micro_batch, dp, 0, cfg.train.accum)
-    cfg.data.dataset = str(Path(dataset).resolve())
-    if cfg.train.init_checkpoint:
-        init = Path(cfg.train.init_checkpoint).expanduser()
-        if not init.exists():
-            raise LabkitError(f"train.init_checkpoint {init} not found",
-                              "give a `labkit convert hf2ms` output folder, a checkpoint folder or a .ckpt file")
-        cfg.train.init_checkpoint = str(init.resolve())
 
-    out = Path(cfg.output_dir).expanduser().resolve()
-    cfg.output_dir = str(out)
-    start = 0
-    if resume:
-        ck = checkpoint.latest(out)
-        if ck is None:
-            raise LabkitError(f"--resume: no complete checkpoint under {checkpoint.checkpoint_dir(out)}",
-                              "run without --resume first, or point --output at the earlier run"
-                              + ("; with several nodes the output folder must be storage every node shares"
-                                 if nodes > 1 else ""))
-        start = int(ck.name.split("_")[1])
-        if start >= cfg.train.steps:
-            raise LabkitError(f"--resume: the newest checkpoint is step {start}, already at train.steps "
-                              f"{cfg.train.steps}", "raise --steps to train further")
-    elif (checkpoint.list_checkpoints(out) or (out / "metrics.jsonl").exists()) and not overwrite:
-        raise LabkitError(f"output {out} already holds a run", "continue it with --resume, start over with "
-                          "--overwrite, or choose another --output")
+def choose_port(layout: Layout, master_port: int | None) -> int | None:
+    """The scheduler port: a given one must be valid (and free on node 0); none given = a free one."""
+    if layout.total == 1:
+        return None
+    if master_port is None:
+        return free_port()
+    if not 1024 <= int(master_port) <= 65535:
+        raise LabkitError(f"--master-port {master_port} is outside 1024..65535")
+    if layout.node_rank == 0 and not port_is_free(int(master_port)):
+        raise LabkitError(f"master port {master_port} is already in use on this machine",
+                          "choose another --master-port, or leave it out to pick a free one")
+    return int(master_port)
 
-    addr = master_addr or "127.0.0.1"
-    if total > 1:
-        if master_port is not None:
-            if not 1024 <= int(master_port) <= 65535:
-                raise LabkitError(f"--master-port {master_port} is outside 1024..65535")
-            if node_rank == 0 and not port_is_free(int(master_port)):
-                raise LabkitError(f"master port {master_port} is already in use on this machine",
-                                  "choose another --master-port, or leave it out to pick a free one")
-        else:
-            master_port = free_port()
-    else:
-        master_port = None
-    return PreparedLaunch(cfg=cfg, workers=workers, nodes=nodes, node_rank=node_rank, total=total, mode=mode, dp=dp,
-                      global_batch=global_batch, dataset=cfg.data.dataset, output=str(out),
-                      master_addr=addr if total > 1 else None, master_port=master_port, resume=resume,
-                      start_step=start)
+
+def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, output=None, nodes: int = 1,
+            node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+            resume: bool = False, overwrite: bool = False, steps=None, micro_batch=None, accum=None,
+            seed=None) -> PreparedLaunch:
+    """Validate a launch without starting anything (the dataset is built here on first use)."""
+    from labkit.data import loader
+    from labkit.training import run_dir
+
+    layout = check_layout(workers, nodes, node_rank, master_addr, master_port)
+    port = choose_port(layout, master_port)
+    cfg = resolve_config(config, overrides, steps=steps, micro_batch=micro_batch, accum=accum, seed=seed,
+                         output=output)
+    par = resolve_parallel(cfg, layout.total)
+    cfg.parallel.parallel_mode = par.mode
+    ds = run_dir.check_dataset(cfg)
+    loader.check_layout(ds.n_samples, cfg.train.micro_batch, par.dp, 0, cfg.train.accum)
+    cfg.data.dataset = str(ds.path)
+    init = run_dir.check_init_checkpoint(cfg.train.init_checkpoint)
+    if init is not None:
+        cfg.train.init_checkpoint = str(init)
+    # the run folder is shared by the nodes and only node 0 writes run-level files: another node that starts
+    # after node 0 has begun must not see node 0's fresh run as an old one (a resume still needs the checkpoint)
+    folder = run_dir.check_run_folder(cfg.output_dir, resume=resume, overwrite=overwrite or node_rank > 0,
+                                      steps=cfg.train.steps, shared=nodes > 1)
+    cfg.output_dir = str(folder.output)
+    return PreparedLaunch(cfg=cfg, workers=workers, nodes=nodes, node_rank=node_rank, total=layout.total,
+                          mode=par.mode, dp=par.dp, global_batch=par.global_batch, dataset=cfg.data.dataset,
+                          output=str(folder.output), master_addr=layout.master_addr, master_port=port,
+                          resume=resume, start_step=folder.start_step)
 
 
 def python_on_path(env: dict, shim_dir: Path) -> dict:
@@ -188,17 +227,27 @@ def python_on_path(env: dict, shim_dir: Path) -> dict:
     return env
 
 
+def node_files(pl: PreparedLaunch) -> tuple[Path, Path]:
+    """(resolved config file, log folder) of this node: <output>/launch.yaml and <output>/logs on one node;
+    <output>/launch_node<R>.yaml and <output>/logs/node<R>/ with several, so nodes sharing the folder never
+    write the same file."""
+    out = Path(pl.output)
+    if pl.nodes == 1:
+        return out / "launch.yaml", out / "logs"
+    return out / f"launch_node{pl.node_rank}.yaml", out / "logs" / f"node{pl.node_rank}"
+
+
+def cluster_timeout(cfg) -> int:
+    """parallel.cluster_timeout_s (seconds msrun's processes wait for the whole cluster to gather)."""
+    return int(getattr(cfg.parallel, "cluster_timeout_s", 300))
+
+
 def command(pl: PreparedLaunch, config_file: Path, logs: Path) -> list[str]:
     """The command line the launcher runs (msrun for more than one worker in all)."""
     args = ["train", "--config", str(config_file), "--json"] + (["--resume"] if pl.resume else [])
     if pl.total == 1:
         return ["python", "-m", "labkit"] + args
-    task = ["python", "-m", "labkit.launch"] + args
-    msrun = Path(sys.executable).parent / "msrun"
-    head = [str(msrun)] if msrun.exists() else [sys.executable, "-m", "mindspore.parallel.cluster.run"]
-    head += [f"--worker_num={pl.total}", f"--local_worker_num={pl.workers}", f"--master_addr={pl.master_addr}",
-             f"--master_port={pl.master_port}"]
-    if pl.nodes > 1:
-        head.append(f"--node_rank={pl.node_rank}")
-    head += [f"--log_dir={logs}", "--join=True", "--cluster_time_out=300", f"--tail_worker_log={NO_TAIL}"]
-    return head + task
+    head = msrun_args(pl.total, pl.workers, master_addr=pl.master_addr, master_port=pl.master_port,
+                      node_rank=pl.node_rank if pl.nodes > 1 else None, log_dir=logs,
+                      cluster_time_out=cluster_timeout(pl.cfg), tail_worker_log=NO_TAIL, head=msrun_head())
+    return head + ["python", "-m", "labkit.launch"] + args

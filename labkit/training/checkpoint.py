@@ -23,13 +23,22 @@ def checkpoint_dir(output: Path) -> Path:
     return Path(output) / "checkpoints"
 
 
+def step_of(path) -> int:
+    """The step a checkpoint folder holds, from its name `step_000012`."""
+    name = Path(path).name
+    try:
+        return int(name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        raise LabkitError(f"{path} is not a checkpoint folder (its name is not step_NNNNNN)") from None
+
+
 def list_checkpoints(output: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_dir(output)
     if not root.is_dir():
         return []
     done = [p for p in root.glob("step_*") if (p / "state.json").is_file() and (p / "state.ckpt").is_file()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(done, key=step_of)
 
 
 def save(output: Path, step: int, params: list, meta: dict, keep: int) -> Path:

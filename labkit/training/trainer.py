@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.training import checkpoint
+from labkit.training import checkpoint, run_dir
 from labkit.config import RunConfig, dump_run_config, load_run_config, to_dict
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.training.metrics import read_metrics
@@ -39,7 +39,6 @@ class Trainer:
         import mindspore as ms
         from mindspore import nn
 
-        from labkit.data import dataset as data
         from labkit.data import loader
 
         self.cfg, t = cfg, cfg.train
@@ -52,15 +51,9 @@ class Trainer:
         if cfg.data.seq_len > mcfg.max_position_embeddings:
             raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
                               f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
-        self.dataset = (Path(cfg.data.dataset) if cfg.data.dataset else
-                        data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer))
-        stats = data.read_stats(self.dataset)
-        if stats.get("seq_len") not in (None, cfg.data.seq_len):
-            raise LabkitError(f"dataset {self.dataset} holds samples of seq_len {stats['seq_len']}, "
-                              f"the config asks for {cfg.data.seq_len}", "set data.seq_len to match or rebuild")
-        if stats.get("vocab_size") and stats["vocab_size"] > mcfg.vocab_size:
-            raise LabkitError(f"dataset tokenizer has {stats['vocab_size']} tokens, the model's vocab_size is "
-                              f"{mcfg.vocab_size}", "use the matching tokenizer or resize the embeddings")
+        self.dataset = run_dir.check_dataset(cfg).path
+        if resume:
+            run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
         self.amp = AMP_LEVELS[t.amp_level]
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                  device_target=cfg.parallel.device_target, **self.amp,

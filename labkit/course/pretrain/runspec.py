@@ -394,6 +394,8 @@ def host_ram_gib() -> float:
 
 
 def _check_files(run: PretrainRun, checkpoint) -> None:
+    from labkit.training import run_dir
+
     c = run.cfg
     for what, value, need in (("dataset", c.data.dataset, "a MindRecord folder from `labkit data build`"),
                               ("tokenizer", c.data.tokenizer, "a tokenizer folder with tokenizer.model"),
@@ -401,21 +403,8 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
         if value and not Path(value).exists():
             raise LabkitError(f"parameter {what} = {run.params.get(what) or value} not found (looked at {value})",
                               f"give {need}; relative paths start where you run, configs/ and data/ at the lab root")
-    out = run.output_dir
-    has_run = bool(checkpoint.list_checkpoints(out)) or (out / "metrics.jsonl").exists()
-    if run.resume:
-        ck = checkpoint.latest(out)
-        if ck is None:
-            raise LabkitError(f"resume = True but {out} holds no complete checkpoint",
-                              "run once without resume first, or point output_dir at the earlier run")
-        step = int(ck.name.split("_")[1])
-        if step >= c.train.steps:
-            raise LabkitError(f"resume: the newest checkpoint is step {step}, already at steps {c.train.steps}",
-                              f"pass -p steps N with N > {step} to train further")
-    elif has_run and not run.overwrite:
-        raise LabkitError(f"output_dir {out} already holds a run",
-                          "continue it with -p resume True, start over with -p overwrite True, or choose another "
-                          "output_dir")
+    run_dir.check_run_folder(run.output_dir, resume=run.resume, overwrite=run.overwrite, steps=c.train.steps,
+                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1)
 
 
 def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, flash) -> str:
