@@ -1,4 +1,5 @@
 """Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill."""
+import html
 import json
 
 import pytest
@@ -254,6 +255,9 @@ def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
     ns = {"preset": "llama2_7b", "dp": None}
     form = widgets.ParameterForm(ns)
     assert "fits" in form.verdict.value and "62.0 of 64 GiB" in form.verdict.value
+    # what the browser shows (tests/test_ui.py): None selected, not an empty box; the glossary on each label
+    assert form.inputs["device_target"].index == 0 and form.inputs["device_target"].value is None
+    assert f'title="{html.escape(pretrain.PARAMS["dp"].help)}">dp<' in form.inputs["dp"].description
     form.inputs["dp"].value = "3"  # invalid: shown at once, nothing applied
     assert "dp x mp x pp must equal devices" in form.verdict.value
     assert form.apply() is None and ns["dp"] is None and "run" not in ns

@@ -62,15 +62,17 @@ class ParameterForm:
         self.namespace = namespace
         self.values = {k: namespace.get(k, DEFAULTS[k]) for k in PARAMS}  # the copy the form edits
         self.inputs, self.texts = {}, set()
-        style = {"description_width": "9em"}
+        style = {"description_width": "11em"}
         for name in FIELDS:
+            # the glossary on the label: ipywidgets 8 drops `tooltip` on a widget that has a description
+            label = dict(description=f'<abbr title="{html.escape(PARAMS[name].help)}">{name}</abbr>',
+                         description_allow_html=True, style=style)
             options = list(PRESETS) if name == "preset" else CHOICES.get(name)
-            if options:
-                w = W.Dropdown(options=[(_show(o), o) for o in options], value=self.values[name], description=name,
-                               style=style, tooltip=PARAMS[name].help)
+            if options:  # by index: ipywidgets 8 takes value=None as "nothing selected", an empty box
+                w = W.Dropdown(options=[(_show(o), o) for o in options], index=options.index(self.values[name]),
+                               **label)
             else:
-                w = W.Text(value=_show(self.values[name]), description=name, style=style, placeholder="None",
-                           tooltip=PARAMS[name].help, continuous_update=False)
+                w = W.Text(value=_show(self.values[name]), placeholder="None", continuous_update=False, **label)
                 self.texts.add(name)
             w.observe(self._changed, names="value")
             self.inputs[name] = w
@@ -80,7 +82,8 @@ class ParameterForm:
                                tooltip="write these values into the notebook and re-validate `run`")
         self.button.on_click(self.apply)
         self.widget = W.VBox([
-            W.HTML("<b>参数表单 / Parameters</b> (None = the preset's value; dp/mp/pp None = the planner's choice)"),
+            W.HTML("<b>参数表单 / Parameters</b> (None = the preset's value; dp/mp/pp None = the planner's choice; "
+                   "hover a name for its meaning / 悬停名称查看说明)"),
             W.GridBox(list(self.inputs.values()), layout=W.Layout(grid_template_columns="repeat(3, 1fr)")),
             self.verdict, W.HBox([self.button, self.status])])
         self._changed()
