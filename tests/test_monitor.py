@@ -37,6 +37,7 @@ def test_other_deaths_are_not_called_out_of_memory():
     r = M.run_capped(py("raise ValueError('bad shape [3, 4]')"), 300)
     death = M.classify_death(r)
     assert death["out_of_memory"] is False and "ValueError" in death["evidence"]
+    assert "out of memory" not in M.oom_report(death, 8, 300)
     fake = {"returncode": 1, "stderr": "RuntimeError: Allocate memory failed, size 4096 MB\n", "limit_mb": 1}
     assert M.classify_death(fake)["how"] == "allocator failure"
 
@@ -73,8 +74,21 @@ def test_halving_stops_at_the_first_fit_and_on_a_non_memory_death():
 
 def test_planner_prediction_grows_with_the_micro_batch_in_activations_only():
     from labkit.config import load_run_config
+    from labkit.course.troubleshoot import predicted_mb
 
     cfg = load_run_config("configs/tiny_cpu.yaml")
-    a, b = M.predicted_mb(cfg, 8), M.predicted_mb(cfg, 16)
+    a, b = predicted_mb(cfg, 8), predicted_mb(cfg, 16)
     assert b["weights"] == a["weights"] and b["optimizer"] == a["optimizer"]
     assert b["activations"] == pytest.approx(2 * a["activations"], rel=0.01)
+
+
+def test_loss_scale_trace_matches_mindspores_dynamic_loss_scaler():
+    import mindspore as ms
+
+    pattern = [True] * 5 + [False] + [True] * 9 + [False, False] + [True] * 7
+    for window in (1, 3, 50):
+        scaler, real = ms.amp.DynamicLossScaler(1024.0, 2, window), []
+        for ok in pattern:
+            real.append(float(scaler.scale_value.asnumpy()))
+            scaler.adjust(ms.Tensor(ok))
+        assert M.loss_scale_trace(pattern, 1024.0, 2, window) == real, window

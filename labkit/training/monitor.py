@@ -9,6 +9,7 @@ RSS cap plus a measured address-space baseline (`address_overhead_mb`).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -226,23 +227,11 @@ def _line_with(text: str, needle: str) -> str:
 # ------------------------------------------------------------------------------------------- training probes
 
 
-def predicted_mb(cfg, micro_batch: int) -> dict:
-    """The planner's memory model for this run config on one CPU process (fp32, no flash attention, no fused
-    norm), MB by part. It leaves out the framework's own overhead (graph compile, allocator pools, libraries)."""
-    from labkit.parallel.planner import memory_breakdown
-
-    t = cfg.train
-    parts = memory_breakdown(cfg.model_config(), seq_len=cfg.data.seq_len, micro_batch=micro_batch, accum=t.accum,
-                             recompute="full" if t.recompute == "all" else "none", precision="fp32",
-                             flash_attention=False, fused_norm=False)
-    return {k: round(v * 1024, 1) for k, v in parts.items() if isinstance(v, float)}
-
-
 def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str] | tuple = (),
-                 timeout: float = 1800) -> dict:
-    """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended and why."""
-    from labkit.config import load_run_config
-
+                 timeout: float = 1800, predict=None) -> dict:
+    """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended and why.
+    `predict(micro_batch)` gives a memory model's need by part in MB (e.g. the planner's, see
+    `labkit.course.troubleshoot.predicted_mb`); the report quotes it."""
     sets = [*sets, f"train.micro_batch={micro_batch}"]
     cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
     for s in sets:
@@ -250,7 +239,7 @@ def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str]
     env = {**os.environ, "GLOG_v": os.environ.get("GLOG_v", "3")}
     result = run_capped(cmd, limit_mb, env=env, timeout=timeout)
     death = classify_death(result)
-    need = predicted_mb(load_run_config(config, list(sets)), micro_batch)
+    need = predict(micro_batch) if predict else None
     fits = result["returncode"] == 0
     return {"micro_batch": micro_batch, "fits": fits, "limit_mb": limit_mb, "method": result["method"],
             "seconds": result["seconds"], "peak_mb": result.get("peak_mb"), "death": death,
@@ -258,17 +247,34 @@ def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str]
             "stderr_tail": "\n".join(result["stderr"].splitlines()[-5:])}
 
 
-def oom_report(death: dict, micro_batch: int, limit_mb: float, need: dict) -> str:
+def oom_report(death: dict, micro_batch: int, limit_mb: float, need: dict | None = None) -> str:
     """What a reader should be told about a dead training process."""
     if not death["out_of_memory"]:
         return f"the process died ({death['how']}), not from lack of memory as far as the evidence shows: " \
                f"{death['evidence']}"
+    predicted = (f"the planner predicts {need['total']:.0f} MB for weights, gradients, optimizer states and "
+                 f"activations ({need['activations']:.0f} MB of it activations), plus the framework's overhead, "
+                 f"against a {limit_mb:.0f} MB limit" if need else f"the limit was {limit_mb:.0f} MB")
     return (f"out of memory at micro-batch {micro_batch}: {death['how']} ({death['evidence']}). "
-            f"Likely cause: activations grow with micro_batch x seq_len; the planner predicts "
-            f"{need['total']:.0f} MB for weights, gradients, optimizer states and activations "
-            f"({need['activations']:.0f} MB of it activations), plus the framework's overhead, against a "
-            f"{limit_mb:.0f} MB limit. Fix: halve train.micro_batch and raise train.accum to keep the global batch, "
-            f"or turn on train.recompute")
+            f"Likely cause: activations grow with micro_batch x seq_len; {predicted}. Fix: halve "
+            f"train.micro_batch and raise train.accum to keep the global batch, or turn on train.recompute")
+
+
+def loss_scale_trace(finite, scale: float, factor: int, window: int) -> list[float]:
+    """The loss scale before each step of a finite/overflow sequence, by the rule of MindSpore 2.9's
+    `amp.DynamicLossScaler.adjust`: an overflow divides the scale by `factor` (floor 1) and resets the counter;
+    the `window`-th finite step in a row multiplies it by `factor`. Pure Python, so long sequences cost nothing
+    (one `adjust` call is a few PyNative kernels); notebook 08 checks it against MindSpore's own class."""
+    out, counter = [], 0
+    for ok in finite:
+        out.append(scale)
+        if ok:
+            if counter == window - 1:
+                scale = scale * factor if math.isfinite(scale * factor) else scale
+            counter = (counter + 1) % window
+        else:
+            scale, counter = max(1.0, scale / factor), 0
+    return out
 
 
 def halve_until_fits(probe, start: int, minimum: int = 1) -> list[dict]:
