@@ -207,8 +207,8 @@ def classify_death(result: dict) -> dict:
         return {"out_of_memory": False, "how": "exited normally", "evidence": "return code 0"}
     if sig == signal.SIGKILL and result.get("oom_kills", 0) > 0:
         return {"out_of_memory": True, "how": "killed by the kernel's OOM killer (SIGKILL)",
-                "evidence": f"memory cgroup: {result['oom_kills']} OOM kill(s), limit {result['limit_mb']:.0f} MB "
-                            f"reached {result.get('failcnt', 0)} times"}
+                "evidence": f"memory cgroup: {result['oom_kills']} OOM kill(s) at its {result['limit_mb']:.0f} MB limit"
+                            + (f", {result['failcnt']} failed charges" if result.get("failcnt") else "")}
     if "MemoryError" in tail:
         return {"out_of_memory": True, "how": "Python MemoryError", "evidence": _line_with(tail, "MemoryError")}
     if found:
