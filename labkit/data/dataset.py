@@ -33,6 +33,7 @@ import numpy as np
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.paths import RUNS, ROOT, lab_path
 from labkit.io import atomic_dir
+from labkit.data.quality import check_quality
 
 FORMAT = "labkit-dataset/1"
 RECORD = "data.mindrecord"
@@ -190,6 +191,9 @@ def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int 
     counts = np.bincount(stream, minlength=vocab).astype(np.int64)
     unk_rate, verdict, warnings = _verdict(n_tokens, counts, unk_id, eos_id, tok, report)
     samples = stream[: n_samples * sample_len].reshape(n_samples, sample_len)
+    quality = check_quality(ids, samples, tok.all_special_ids)  # duplicates, special-token runs
+    warnings += quality["warnings"]
+    verdict = max(verdict, quality["verdict"], key=("ok", "warn", "fail").index)
     sample_docs = (samples == eos_id).sum(axis=1).astype(np.int32)
     top = np.argsort(counts)[::-1][:10]
     from mindspore.mindrecord import FileWriter
@@ -214,7 +218,7 @@ def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int 
             format=FORMAT, seq_len=seq_len, sample_len=sample_len, n_documents=len(docs), n_tokens=n_tokens,
             n_samples=n_samples, n_dropped_tokens=n_tokens - n_samples * sample_len, unk_rate=round(unk_rate, 6),
             verdict=verdict, warnings=warnings, vocab_size=vocab, eos_id=eos_id, bos_added=False,
-            eos_between_documents=True, top_tokens=[[int(i), tok.convert_ids_to_tokens(int(i)),
+            eos_between_documents=True, quality=quality, top_tokens=[[int(i), tok.convert_ids_to_tokens(int(i)),
                                                      round(float(counts[i]) / n_tokens, 4)] for i in top],
             tokenizer=display_path(lab_path(tokenizer_dir)), tokenizer_sha256=tok_hash,
             corpus=[display_path(f) for f in report.files], corpus_sha256=fingerprint(corpus), text_field=text_field,

@@ -29,6 +29,8 @@ from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 from labkit.training.step import grad_ops
 from labkit.training.metrics import rewrite_metrics
+from labkit.training.monitor import LeakMonitor
+from labkit.training.tensorboard import EventWriter
 
 
 class Trainer:
@@ -220,10 +222,14 @@ class Trainer:
             rewrite_metrics(self.out, self.history)
         bar = _progress(t.steps, self.step, rank0)
         tokens_per_step = self.global_batch * self.cfg.data.seq_len
+        self.memory = LeakMonitor()  # rec["rss_mb"] each step; a steady RSS slope is reported at the end
+        events = EventWriter(self.out) if rank0 else None  # TensorBoard files beside metrics.jsonl
         try:
             while self.step < t.steps:
                 rec = self._train_step(tokens_per_step)
+                self.memory(rec)
                 if rank0:
+                    events.add(rec)
                     with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
                         f.write(json.dumps(rec) + "\n")
                     bar.update(1)
@@ -234,6 +240,10 @@ class Trainer:
                     self.save()
         finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
             bar.close()
+            if events is not None:
+                events.close()
+        if self.memory.report()["flagged"] and rank0:
+            self.log(self.memory.report()["message"])
         return self.summary()
 
     def _train_step(self, tokens_per_step: int) -> dict:

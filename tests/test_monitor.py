@@ -1,0 +1,94 @@
+"""labkit.training.monitor: a real memory cap, an out-of-memory death told from other deaths, the leak slope."""
+import sys
+
+import numpy as np
+import pytest
+
+from labkit.training import monitor as M
+
+ALLOC = "import sys; x = bytearray(int(sys.argv[1]) * 2**20); print('allocated')"
+
+
+def py(code, *args):
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+def test_cap_kills_an_allocation_above_it_and_spares_one_below():
+    small = M.run_capped(py(ALLOC, 50), 300)
+    assert small["returncode"] == 0 and "allocated" in small["stdout"]
+    assert M.classify_death(small)["out_of_memory"] is False
+    big = M.run_capped(py(ALLOC, 600), 300)
+    assert big["returncode"] != 0
+    death = M.classify_death(big)
+    assert death["out_of_memory"] is True, (big, death)
+    if big["method"].startswith("cgroup"):
+        assert big["returncode"] == -9 and big["oom_kills"] >= 1 and "OOM killer" in death["how"]
+        assert big["peak_mb"] <= 300 + 1  # the cgroup never let it past the limit
+
+
+def test_rlimit_fallback_gives_a_memory_error():
+    # the address-space baseline of a bare Python is ~20-30 MB, far under the 200 MB allowance given here
+    r = M.run_capped(py(ALLOC, 600), 100, method="rlimit", address_overhead_mb=200)
+    death = M.classify_death(r)
+    assert r["returncode"] == 1 and death == {**death, "out_of_memory": True, "how": "Python MemoryError"}
+
+
+def test_other_deaths_are_not_called_out_of_memory():
+    r = M.run_capped(py("raise ValueError('bad shape [3, 4]')"), 300)
+    death = M.classify_death(r)
+    assert death["out_of_memory"] is False and "ValueError" in death["evidence"]
+    assert "out of memory" not in M.oom_report(death, 8, 300)
+    fake = {"returncode": 1, "stderr": "RuntimeError: Allocate memory failed, size 4096 MB\n", "limit_mb": 1}
+    assert M.classify_death(fake)["how"] == "allocator failure"
+
+
+def test_leak_monitor_flags_memory_kept_every_step_and_not_a_flat_loop():
+    kept = []
+    for leak_mb, expect in ((0, False), (4, True)):
+        mon = M.LeakMonitor(skip=2, threshold_mb_per_step=1.0)
+        for step in range(1, 21):
+            scratch = np.ones(2**20)  # 8 MB allocated and freed every step, as a healthy loop does
+            if leak_mb:
+                kept.append(np.ones(leak_mb * 2**20 // 8))  # pages touched, so resident
+            mon({"step": step})
+            del scratch
+        rep = mon.report()
+        assert rep["flagged"] is expect, rep
+        if expect:  # the slope is the leak rate, measured: 4 MB/step within page and allocator noise
+            assert 3.0 < rep["slope_mb_per_step"] < 5.0
+    assert M.LeakMonitor().report()["flagged"] is False
+
+
+def test_halving_stops_at_the_first_fit_and_on_a_non_memory_death():
+    def probe(limit, other_death_at=None):
+        def run(mb):
+            if mb == other_death_at:
+                return {"micro_batch": mb, "fits": False, "death": {"out_of_memory": False}}
+            return {"micro_batch": mb, "fits": mb <= limit, "death": {"out_of_memory": mb > limit}}
+        return run
+
+    assert [r["micro_batch"] for r in M.halve_until_fits(probe(8), 64)] == [64, 32, 16, 8]
+    assert [r["micro_batch"] for r in M.halve_until_fits(probe(8, other_death_at=32), 64)] == [64, 32]
+    assert not M.halve_until_fits(probe(0), 4)[-1]["fits"]
+
+
+def test_planner_prediction_grows_with_the_micro_batch_in_activations_only():
+    from labkit.config import load_run_config
+    from labkit.course.troubleshoot import predicted_mb
+
+    cfg = load_run_config("configs/tiny_cpu.yaml")
+    a, b = predicted_mb(cfg, 8), predicted_mb(cfg, 16)
+    assert b["weights"] == a["weights"] and b["optimizer"] == a["optimizer"]
+    assert b["activations"] == pytest.approx(2 * a["activations"], rel=0.01)
+
+
+def test_loss_scale_trace_matches_mindspores_dynamic_loss_scaler():
+    import mindspore as ms
+
+    pattern = [True] * 5 + [False] + [True] * 9 + [False, False] + [True] * 7
+    for window in (1, 3, 50):
+        scaler, real = ms.amp.DynamicLossScaler(1024.0, 2, window), []
+        for ok in pattern:
+            real.append(float(scaler.scale_value.asnumpy()))
+            scaler.adjust(ms.Tensor(ok))
+        assert M.loss_scale_trace(pattern, 1024.0, 2, window) == real, window
