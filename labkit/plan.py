@@ -5,7 +5,8 @@ Memory per device (bytes), for the most loaded pipeline stage:
   weights + gradients + optimizer states  (bytes per parameter from the precision; optimizer states divided by dp
                                            when sharded, as ZeRO-1 does; one gradient-sized buffer, which with
                                            accum > 1 is mindformers' `accu_grads` that each micro-step adds into)
-  + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer)
+  + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer,
+                                           with the backward tensors MindSpore computes during the forward pass)
   + framework overhead                     (a stated constant per device preset)
 Time per step: FLOPs (6 N per token + the attention term, recompute adds its forward) over peak x efficiency,
 plus tensor-parallel all-reduces, pipeline sends and the data-parallel gradient all-reduce over the preset's
@@ -37,7 +38,12 @@ PRECISIONS = {
 }
 MOMENT_BYTES = 8  # AdamW m and v in float32 (mindformers.core.optim.AdamW clones them as float32)
 MASTER_BYTES = 4  # an fp32 master copy, kept only with master_weights=True (ZeRO's 16 bytes/param convention)
-LOSS_FP32_COPIES = 5  # mindformers CrossEntropyLoss: fp32 logits, log-softmax, one-hot kept; 2 more in backward
+# mindformers CrossEntropyLoss at the peak (end of the forward pass), vocabulary-sized fp32 tensors: the one-hot
+# labels, the log-softmax, _NLLLoss.bprop's exp(log-softmax) (see early_backward_elements) and the forward product
+# log-softmax * one-hot; the logits themselves are freed once the log-softmax exists. Counted in MindSpore's kernel
+# graph (MindSpore 2.9 / mindformers 1.9, bench/plan_calibration.py). It was 5, which offset per-layer tensors the
+# count then missed (see early_backward_elements).
+LOSS_FP32_COPIES = 4
 RECOMPUTE = ("none", "selective", "full")
 CONSTRAINT_KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
@@ -74,7 +80,7 @@ def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
 
 def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none", flash_attention: bool = True,
-                      fused_norm: bool = True) -> dict[str, float]:
+                      fused_norm: bool = True, fused_silu: bool = True) -> dict[str, float]:
     """Activation elements of one decoder layer for one micro-batch: `stored` (kept for the backward pass) and
     `working` (re-materialised for one layer at a time in the backward pass when recomputing).
 
@@ -83,12 +89,15 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
       attention: Q, K, V (K, V expanded to all heads when mindformers repeats them without flash attention),
                  the context (input of wo), and the softmax output a*s*s per sequence unless flash attention
       SwiGLU: w1 output (SiLU input), SiLU output, w3 output, their product (w2 input): 4 * s * f
-    Tensor parallel splits everything but the norm tensors, which sequence parallel splits as well."""
+    plus, without fused norm / SiLU kernels, the backward tensors MindSpore computes during the forward pass
+    (early_backward_elements). Tensor parallel splits everything but the norm tensors, which sequence parallel splits
+    as well."""
     s, b, h, f, a = seq_len, micro_batch, cfg.hidden_size, cfg.ffn_size, cfg.num_heads
     sbh = s * b * h
     kv = cfg.kv_heads * cfg.head_dim if flash_attention else h
-    norms = 2 * (2 if fused_norm else 3) * sbh
-    split = sbh * 2 + 2 * s * b * kv + 4 * s * b * f
+    early = early_backward_elements(cfg, seq_len, micro_batch, fused_norm=fused_norm, fused_silu=fused_silu)
+    norms = 2 * ((2 if fused_norm else 3) * sbh + early["per_norm"])
+    split = sbh * 2 + 2 * s * b * kv + 4 * s * b * f + early["ffn"]
     scores = 0.0 if flash_attention else a * s * s * b
     stats = 2 * a * s * b if flash_attention else 0.0  # flash attention keeps softmax max and sum per row
     norms_dev = norms / mp if sequence_parallel else norms
@@ -97,8 +106,9 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
         return {"stored": full, "working": 0.0}
     if recompute == "selective":  # recompute the attention core (scores, softmax) in the backward pass
         return {"stored": full - scores / mp, "working": scores / mp}
-    if recompute == "full":  # keep only the layer input
-        return {"stored": sbh / mp if sequence_parallel else sbh, "working": full}
+    if recompute == "full":  # keep only the layer input (and the first norm's early backward tensor, computed from it)
+        kept = sbh + early["per_norm"]
+        return {"stored": kept / mp if sequence_parallel else kept, "working": full}
     raise LabkitError(f"recompute '{recompute}' is not known", f"use one of {', '.join(RECOMPUTE)}")
 
 
@@ -107,14 +117,58 @@ def loss_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: in
     """Bytes of the final norm, logits and loss at the peak (start of the backward pass), last stage only."""
     sb = seq_len * micro_batch
     logits = sb * cfg.vocab_size / mp
-    norm = (2 if fused_norm else 3) * sb * cfg.hidden_size * act_bytes
+    early = early_backward_elements(cfg, seq_len, micro_batch, fused_norm=fused_norm)["per_norm"]
+    norm = ((2 if fused_norm else 3) * sb * cfg.hidden_size + early) * act_bytes
     return norm + logits * (LOSS_FP32_COPIES * 4 + (act_bytes if act_bytes != 4 else 0))
+
+
+# ----------------------------------------------- backward tensors MindSpore computes during the forward pass
+# MindSpore's kernel graph runs a kernel soon after its inputs exist (its launch order: MS_ALLOC_CONF=
+# memory_tracker:True task.csv, against MS_DEV_SAVE_GRAPHS=1 graph_build_*.ir). Backward-pass and optimizer kernels
+# whose inputs are all forward values therefore run during the forward pass, and their outputs stay live until the
+# backward pass (or the optimizer update) reads them: at the activation peak (the end of the forward pass) they are
+# extra tensors of the step. Measured on CPU (MindSpore 2.9,
+# mindformers 1.9, bench/plan_calibration.py): replaying the graph's allocations in launch order gives the memory
+# pool's peak to within its 1 MiB print resolution (81.6 MiB for 2 layers, 117.1 for 4, 148.7 at sequence 256).
+# These terms depend on the graph only: the same on every x86 CPU, whatever kernels oneDNN picks for its ISA.
+#   unfused RMSNorm (Square, ReduceMean, Rsqrt, Mul): Square's gradient factor 2 * x, one s*b*h tensor per norm;
+#   SiLU without a SiLU kernel (MindSpore's expander writes x * Sigmoid(x) on CPU): SiLUGrad's Sigmoid(x), one
+#     s*b*f tensor per layer (sequence-split by mp like the other SwiGLU tensors);
+#   the loss: _NLLLoss.bprop's exp(log-softmax), counted in LOSS_FP32_COPIES;
+#   mindformers AdamW: param_fp32 * (1 - lr * weight_decay) for every parameter (adamw_early_bytes), computed at
+#     the start of the step and read by the update at its end. No gradient exists yet at the forward-pass peak: in
+#     fp32 this product takes exactly the place (4 bytes per parameter) of the planner's gradient buffer.
+
+
+def early_backward_elements(cfg: ModelConfig, seq_len: int, micro_batch: int, *, fused_norm: bool = True,
+                            fused_silu: bool = True) -> dict[str, float]:
+    """Elements of the backward tensors MindSpore computes during the forward pass, for one micro-batch:
+    `per_norm` for each unfused RMSNorm, `ffn` for each decoder layer's unfused SiLU (see the block comment)."""
+    sb = seq_len * micro_batch
+    return {"per_norm": 0.0 if fused_norm else float(sb * cfg.hidden_size),
+            "ffn": 0.0 if fused_silu else float(sb * cfg.ffn_size)}
+
+
+def recompute_mask_elements(seq_len: int, micro_batch: int, recompute: str, flash_attention: bool) -> float:
+    """Elements of the additive attention mask (b, 1, s, s) kept for the backward pass: only when recomputed layers
+    read it again there (without recomputation it is freed after the last layer's forward). Flash attention takes
+    its own compressed mask instead, not counted."""
+    if recompute == "none" or flash_attention:
+        return 0.0
+    return float(micro_batch * seq_len * seq_len)
+
+
+def adamw_early_bytes(params: float) -> float:
+    """Bytes of mindformers AdamW's weight-decay product param_fp32 * (1 - lr * weight_decay), which MindSpore
+    computes for every parameter at the start of the step and keeps until the update (float32 whatever the weights'
+    dtype). The CPU memory pool holds it through the forward pass (see the block comment)."""
+    return 4.0 * params
 
 
 def memory_breakdown(cfg: ModelConfig, *, seq_len: int, dp: int = 1, mp: int = 1, pp: int = 1,
                      micro_batch: int = 1, accum: int = 1, recompute: str = "none", optimizer_shard: bool = False,
                      precision: str = "fp16", master_weights: bool = False, flash_attention: bool = True,
-                     sequence_parallel: bool = False, fused_norm: bool = True,
+                     sequence_parallel: bool = False, fused_norm: bool = True, fused_silu: bool = True,
                      overhead_gib: float = 0.0) -> dict[str, float]:
     """Peak memory of the most loaded device, in GiB, by part (see the module docstring)."""
     prec = _precision(precision)
@@ -127,11 +181,13 @@ def memory_breakdown(cfg: ModelConfig, *, seq_len: int, dp: int = 1, mp: int = 1
         grads = params * bpp["gradients"]
         opt = params * bpp["optimizer"] / (dp if optimizer_shard else 1)
         layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=sequence_parallel,
-                                  recompute=recompute, flash_attention=flash_attention, fused_norm=fused_norm)
+                                  recompute=recompute, flash_attention=flash_attention, fused_norm=fused_norm,
+                                  fused_silu=fused_silu)
         in_flight = min(pp if name == "first" else 1, accum)  # 1F1B: stage k holds p - k micro-batches
         loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=prec.act,
                                 fused_norm=fused_norm) if name != "first" else 0.0
-        acts = in_flight * st["layers"] * layer["stored"] * prec.act + max(loss, layer["working"] * prec.act)
+        mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, flash_attention) * prec.act
+        acts = in_flight * st["layers"] * layer["stored"] * prec.act + mask + max(loss, layer["working"] * prec.act)
         parts = {"weights": weights, "gradients": grads, "optimizer": opt, "activations": acts}
         total = sum(parts.values())
         if worst is None or total > worst[1]:
@@ -221,6 +277,7 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
         raise LabkitError(f"efficiency {efficiency} must be in (0, 1]", "e.g. 0.5 for half of peak")
     overhead = dev.overhead_gib if overhead_gib is None else overhead_gib
     fused_norm = dev.name.startswith("atlas")  # mindformers' fused RMSNorm kernel is Ascend-only (labkit.model)
+    fused_silu = dev.name != "cpu"  # MindSpore 2.9 has no CPU SiLU kernel: its expander writes x * Sigmoid(x)
     constraints = _check_constraints(constraints)
 
     strategies, skipped = [], {}
@@ -242,7 +299,7 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
                     mem = memory_breakdown(model_cfg, seq_len=seq_len, precision=precision,
                                            master_weights=master_weights, flash_attention=flash_attention,
                                            sequence_parallel=sequence_parallel and mp > 1, fused_norm=fused_norm,
-                                           overhead_gib=overhead, **cand)
+                                           fused_silu=fused_silu, overhead_gib=overhead, **cand)
                     t = step_time(model_cfg, dev, seq_len=seq_len, global_batch=global_batch, precision=precision,
                                   peak_tflops=peak, efficiency=efficiency, nodes=nodes,
                                   sequence_parallel=sequence_parallel and mp > 1, **cand)
@@ -270,8 +327,9 @@ def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, devi
         "precision": precision, "peak_tflops": peak, "efficiency": efficiency, "flash_attention": flash_attention,
         "assumptions": {
             "bytes_per_param": bpp, "model_states_gib_unsharded": round(model_cfg.num_params * bpp["total"] / GIB, 2),
-            "overhead_gib": overhead, "fused_norm": fused_norm, "sequence_parallel": sequence_parallel,
-            "master_weights": master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
+            "overhead_gib": overhead, "fused_norm": fused_norm, "fused_silu": fused_silu,
+            "sequence_parallel": sequence_parallel, "master_weights": master_weights,
+            "schedule": "1F1B (stage k holds p - k micro-batches)",
             "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
             "flops_per_token": flops_per_token(model_cfg, seq_len),
         },

@@ -77,6 +77,25 @@ def test_activations_follow_korthikanti():
     assert sp == pytest.approx(none / 4)
 
 
+def test_cpu_graph_terms():
+    """Without fused RMSNorm / SiLU kernels (CPU), MindSpore computes some backward tensors during the forward pass
+    and holds them to the peak: Square's 2*x per norm, SiLUGrad's Sigmoid(x) per layer. Against the calibration
+    model's kernel graph (MindSpore 2.9, mindformers 1.9; live tensors replayed in launch order: 14.5 MiB per layer,
+    34 MiB of final norm and loss at b=4, s=128, which the memory pool's peak confirms to its 1 MiB resolution)."""
+    cfg = ModelConfig(hidden_size=256, num_heads=4, num_layers=2, vocab_size=4096)
+    s, b, f = 128, 4, cfg.ffn_size
+    sbh, scores, mib = s * b * 256, 4 * s * s * b, 2**20
+    cpu = dict(flash_attention=False, fused_norm=False, fused_silu=False)
+    layer = P.layer_activations(cfg, s, b, **cpu)["stored"]
+    assert layer == 12 * sbh + scores + 5 * s * b * f and layer * 4 / mib == 14.5
+    assert P.layer_activations(cfg, s, b, recompute="full", **cpu)["stored"] == 2 * sbh  # input, and 2*x from it
+    assert P.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
+    assert P.recompute_mask_elements(s, b, "none", False) == 0 < P.recompute_mask_elements(s, b, "full", False)
+    assert P.adamw_early_bytes(cfg.num_params) == 4 * cfg.num_params
+    mem = P.memory_breakdown(cfg, seq_len=s, micro_batch=b, precision="fp32", **cpu)
+    assert mem["activations"] * 2**30 / mib == 2 * 14.5 + 34
+
+
 def test_flops_per_token_matches_published(seven_b):
     """torchtitan/PaLM convention for Llama-2-7B at 4096: 46.09 GFLOP per token; full recompute adds a forward."""
     f = P.flops_per_token(seven_b, 4096)
