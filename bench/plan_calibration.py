@@ -310,10 +310,11 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
     }
     if "recompute, layers 2 -> 4" in {d["comparison"] for d in diffs}:
         result["notes"].append(
-            "recompute, layers 2 -> 4: with recomputed activations this small, the peak moves to the optimizer "
-            "update, where mindformers' AdamW on CPU holds fp32 working copies of all weights and gradients at once "
-            "(the pool grows ~11.6 bytes per parameter there, against 4 bytes of gradients); the planner models the "
-            "activation peak only, so this difference misses")
+            "recompute, layers 2 -> 4: with recomputed activations this small, the peak moves to the end of the "
+            "backward pass, where every parameter has its gradient, AdamW's gradient * (1 - beta1) and "
+            "param * (1 - lr * weight_decay) live at once (12 bytes per parameter in fp32: MindSpore runs each as soon "
+            "as its inputs exist, and the updates that read them come last); the planner models the peak at the end "
+            "of the forward pass only (4 bytes per parameter there), so this difference misses")
     shutil.rmtree(workdir, ignore_errors=True)
     return result
 
