@@ -3,13 +3,18 @@
 Each configuration (batch, sequence, layers, recompute) trains a few real steps in its own process:
 labkit.model.llama.build_model + mindspore.value_and_grad + mindformers' AdamW, float32, GRAPH mode. Each child reports
   - MindSpore's own memory-pool peak (MS_DEV_RUNTIME_CONF=memory_statistics:True, printed when the process ends):
-    the live tensors of the step (activations, gradients, temporaries); weights and optimizer states are
-    Parameters and live outside the pool;
+    the most tensor bytes live at once in a step ("peak used mem"; weights and optimizer states are Parameters and
+    live outside the pool), and the pool's address span ("actual peak used mem": the live bytes plus the holes the
+    best-fit placement leaves between them, 0-5 MiB here, not something a tensor count predicts). Both are printed in
+    whole MiB, rounded down, so a difference of two is exact to within 1 MiB;
   - peak process RSS (ru_maxrss): everything, including graph compilation and the CPU kernels' own buffers;
   - step time, as process CPU seconds (summed over threads; robust when other processes share the machine) and
     as wall time, median over the steps after the compiling one, and a GEMM probe measured the same two ways.
 Fixed overheads cancel in DIFFERENCES between configurations, which are compared with the planner's predictions:
-pool differences against activations + gradients, RSS differences against the whole memory model.
+live-pool differences against the activations (with the backward tensors MindSpore computes during the forward
+pass) + AdamW's fp32 weight-decay products (labkit.parallel.memory.adamw_early_bytes), RSS differences against the whole memory
+model. The peak is at the end of the forward pass, before any gradient exists; none of it depends on the CPU's ISA
+(oneDNN's kernels keep their scratchpads outside the pool: ONEDNN_MAX_CPU_ISA=AVX2 changes no pool figure).
 
 To save ~20 s of imports per configuration, one parent imports MindSpore and mindformers once and forks a child
 per configuration; a child ends like a normal interpreter so MindSpore prints its pool statistics.
@@ -146,26 +151,29 @@ def run_child(name: str, c: dict, steps: int, workdir: Path) -> dict:
     result = json.loads(out.read_text())
     if "error" in result:
         raise RuntimeError(f"configuration '{name}' failed: {result['error']}; log: {log}")
-    from labkit.training.metrics import pool_peak_mb
+    from labkit.training.metrics import pool_peaks_mb
 
-    result["pool_peak_mb"] = pool_peak_mb(text)
+    peaks = pool_peaks_mb(text) or {}
+    result["pool_peak_mb"], result["pool_span_mb"] = peaks.get("live"), peaks.get("span")
     return result
 
 
 def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
-    """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm."""
+    """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm and SiLU."""
     from labkit.parallel.devices import GIB
-    from labkit.parallel.planner import DEFAULT_EFFICIENCY, memory_breakdown
     from labkit.model.shapes import flops_per_token
+    from labkit.parallel.memory import adamw_early_bytes, memory_breakdown
+    from labkit.parallel.planner import DEFAULT_EFFICIENCY
 
     cfg = model_config(c)
     m = memory_breakdown(cfg, seq_len=c["seq"], micro_batch=c["batch"], recompute=c["recompute"],
-                         precision="fp32", flash_attention=False, fused_norm=False)
+                         precision="fp32", flash_attention=False, fused_norm=False, fused_silu=False)
     mb = GIB / 2**20
+    adamw_mb = adamw_early_bytes(m["params"]) / 2**20
     fl = c["batch"] * c["seq"] * flops_per_token(cfg, c["seq"], c["recompute"])["hardware"]
-    return {"pool_mb": (m["activations"] + m["gradients"]) * mb,
+    return {"pool_mb": m["activations"] * mb + adamw_mb,
             "all_mb": (m["weights"] + m["gradients"] + m["optimizer"] + m["activations"]) * mb,
-            "activations_mb": m["activations"] * mb, "flops": fl,
+            "activations_mb": m["activations"] * mb, "adamw_early_mb": adamw_mb, "flops": fl,
             "step_s": fl / (gemm_flops * DEFAULT_EFFICIENCY), "step_cpu_s": fl / (gemm_cpu * DEFAULT_EFFICIENCY)}
 
 
@@ -193,11 +201,12 @@ def compare(configs: dict, rows: dict) -> list[dict]:
 
 def table(result: dict) -> str:
     lines = [f"{'configuration':<22} {'b':>3} {'s':>4} {'L':>2} {'recompute':>9} {'pool MB':>8} {'pred':>7} "
-             f"{'RSS MB':>8} {'pred all':>8} {'wall s':>7} {'cpu s':>6} {'pred':>6} {'eff':>5}"]
+             f"{'span':>5} {'RSS MB':>8} {'pred all':>8} {'wall s':>7} {'cpu s':>6} {'pred':>6} {'eff':>5}"]
     for name, r in result["configs"].items():
         c, p = r["config"], r["pred"]
         lines.append(f"{name:<22} {c['batch']:>3} {c['seq']:>4} {c['layers']:>2} {c['recompute']:>9} "
-                     f"{r['pool_peak_mb']:>8.0f} {p['pool_mb']:>7.1f} {r['rss_peak_mb']:>8.0f} {p['all_mb']:>8.1f} "
+                     f"{r['pool_peak_mb']:>8.0f} {p['pool_mb']:>7.1f} {r['pool_span_mb']:>5.0f} "
+                     f"{r['rss_peak_mb']:>8.0f} {p['all_mb']:>8.1f} "
                      f"{r['step_s']:>7.3f} {r['step_cpu_s']:>6.3f} {p['step_cpu_s']:>6.3f} {r['efficiency']:>5.2f}")
     lines += ["", f"{'difference':<26} {'pool meas':>9} {'pred':>7} {'err':>6}   {'RSS meas':>8} {'pred':>7} "
               f"{'err':>6}   {'cpu s meas':>10} {'pred':>7} {'err':>6}"]
@@ -283,15 +292,20 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
     rss_err = [abs(d["rss_mb"]["error"]) for d in diffs if d["rss_mb"]["error"] is not None]
     result = {
         "ok": True, "mode": "ci" if ci else "full", "steps": steps, "target": TARGET,
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), **_isa(),
                     "gemm_gflops": round(gemm / 1e9, 1), "gemm_gflop_per_cpu_s": round(gemm_cpu / 1e9, 1)},
         "model": MODEL, "configs": rows, "differences": diffs,
         "summary": {"pool_max_abs_error": max(pool_err), "pool_meets_target": max(pool_err) <= TARGET,
                     "rss_max_abs_error": max(rss_err), "rss_meets_target": max(rss_err) <= TARGET,
                     "seconds": round(time.time() - t0, 1)},
         "notes": [
-            "pool = MindSpore's memory-pool peak (live tensors of the step); compared with activations + "
-            "gradients from labkit.parallel.planner.memory_breakdown(precision='fp32', flash_attention=False)",
+            "pool = MindSpore's memory-pool peak of live tensors ('peak used mem', whole MiB rounded down), at the end "
+            "of the forward pass; compared with the activations of labkit.parallel.memory.memory_breakdown(precision='fp32', "
+            "flash_attention=False, fused_norm=False, fused_silu=False) + AdamW's fp32 weight-decay products "
+            "(labkit.parallel.memory.adamw_early_bytes, 4 bytes per parameter, computed at the start of the step). The fixed "
+            "rest (~4 MiB: the embedding's first AdamW moment product, RoPE tables) cancels in the differences",
+            "span = the pool's address span ('actual peak used mem'): live bytes plus the holes its best-fit "
+            "placement leaves; the holes (0-5 MiB here) depend on the allocation order, not on the tensors counted",
             "RSS also holds weights and optimizer states (outside the pool), graph compilation, and the CPU "
             "MatMul kernels' private packed copies of their operands, which no accelerator memory model counts: "
             "RSS differences run well above the model",
@@ -302,12 +316,23 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
     }
     if "recompute, layers 2 -> 4" in {d["comparison"] for d in diffs}:
         result["notes"].append(
-            "recompute, layers 2 -> 4: with recomputed activations this small, the peak moves to the optimizer "
-            "update, where mindformers' AdamW on CPU holds fp32 working copies of all weights and gradients at once "
-            "(the pool grows ~11.6 bytes per parameter there, against 4 bytes of gradients); the planner models the "
-            "activation peak only, so this difference misses")
+            "recompute, layers 2 -> 4: with recomputed activations this small, the peak moves to the end of the "
+            "backward pass, where every parameter has its gradient, AdamW's gradient * (1 - beta1) and "
+            "param * (1 - lr * weight_decay) live at once (12 bytes per parameter in fp32: MindSpore runs each as soon "
+            "as its inputs exist, and the updates that read them come last); the planner models the peak at the end "
+            "of the forward pass only (4 bytes per parameter there), so this difference misses")
     shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def _isa() -> dict:
+    """What decides oneDNN's kernels here: the CPU's vector extensions and any ONEDNN_MAX_CPU_ISA cap."""
+    try:
+        flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    except (OSError, AttributeError):
+        flags = set()
+    return {"onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"),
+            "cpu_isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]}
 
 
 def _slug(name: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from labkit.parallel import planner as P
+from labkit.parallel import memory
 from labkit.model import shapes
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import msrun
@@ -67,17 +68,36 @@ def test_activations_follow_korthikanti():
     cfg = ModelConfig(hidden_size=1024, num_heads=16, num_layers=4, vocab_size=1000, intermediate_size=4096)
     s, b = 2048, 2
     sbh, scores = s * b * 1024, 16 * s * s * b
-    none = P.layer_activations(cfg, s, b, flash_attention=False)["stored"]
+    none = memory.layer_activations(cfg, s, b, flash_attention=False)["stored"]
     assert none == pytest.approx(4 * sbh + 4 * sbh + 4 * s * b * 4096 + scores)  # norms, Q K V ctx, SwiGLU, scores
-    sel = P.layer_activations(cfg, s, b, recompute="selective", flash_attention=False)
+    sel = memory.layer_activations(cfg, s, b, recompute="selective", flash_attention=False)
     assert sel["stored"] == pytest.approx(none - scores) and sel["working"] == pytest.approx(scores)
-    assert P.layer_activations(cfg, s, b, recompute="full")["stored"] == sbh
-    fa = P.layer_activations(cfg, s, b, flash_attention=True)["stored"]
+    assert memory.layer_activations(cfg, s, b, recompute="full")["stored"] == sbh
+    fa = memory.layer_activations(cfg, s, b, flash_attention=True)["stored"]
     assert fa == pytest.approx(none - scores + 2 * 16 * s * b)  # flash attention keeps only row statistics
-    tp = P.layer_activations(cfg, s, b, mp=4, flash_attention=False)["stored"]
+    tp = memory.layer_activations(cfg, s, b, mp=4, flash_attention=False)["stored"]
     assert tp == pytest.approx(4 * sbh + (none - 4 * sbh) / 4)
-    sp = P.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, flash_attention=False)["stored"]
+    sp = memory.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, flash_attention=False)["stored"]
     assert sp == pytest.approx(none / 4)
+
+
+def test_cpu_graph_terms():
+    """Without fused RMSNorm / SiLU kernels (CPU), MindSpore computes some backward tensors during the forward pass
+    and holds them to the peak: Square's 2*x per norm, SiLUGrad's Sigmoid(x) per layer. Against the calibration
+    model's kernel graph (MindSpore 2.9, mindformers 1.9; live tensors replayed in launch order: 14.5 MiB per layer,
+    34 MiB of final norm and loss at b=4, s=128, which the memory pool's peak confirms to its 1 MiB resolution)."""
+    cfg = ModelConfig(hidden_size=256, num_heads=4, num_layers=2, vocab_size=4096)
+    s, b, f = 128, 4, cfg.ffn_size
+    sbh, scores, mib = s * b * 256, 4 * s * s * b, 2**20
+    cpu = dict(flash_attention=False, fused_norm=False, fused_silu=False)
+    layer = memory.layer_activations(cfg, s, b, **cpu)["stored"]
+    assert layer == 12 * sbh + scores + 5 * s * b * f and layer * 4 / mib == 14.5
+    assert memory.layer_activations(cfg, s, b, recompute="full", **cpu)["stored"] == 2 * sbh  # input, and 2*x from it
+    assert memory.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
+    assert memory.recompute_mask_elements(s, b, "none", False) == 0 < memory.recompute_mask_elements(s, b, "full", False)
+    assert memory.adamw_early_bytes(cfg.num_params) == 4 * cfg.num_params
+    mem = P.memory_breakdown(cfg, seq_len=s, micro_batch=b, precision="fp32", **cpu)
+    assert mem["activations"] * 2**30 / mib == 2 * 14.5 + 34
 
 
 def test_flops_per_token_matches_published(seven_b):

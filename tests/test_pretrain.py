@@ -254,7 +254,8 @@ def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     ns = {"preset": "llama2_7b", "dp": None}
     form = widgets.ParameterForm(ns)
-    assert "fits" in form.verdict.value and "62.0 of 64 GiB" in form.verdict.value
+    need = pretrain.resolve(dict(ns), check_files=False).strategy["memory_gib"]["total"]
+    assert "fits" in form.verdict.value and f"{need:.1f} of 64 GiB" in form.verdict.value
     # what the browser shows (tests/test_ui.py): None selected, not an empty box; the glossary on each label
     assert form.inputs["device_target"].index == 0 and form.inputs["device_target"].value is None
     assert f'title="{html.escape(pretrain.PARAMS["dp"].help)}">dp<' in form.inputs["dp"].description

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from labkit.config import load_run_config
-from labkit.parallel.planner import memory_breakdown
+from labkit.parallel.memory import memory_breakdown
 from labkit.training.monitor import train_capped
 
 

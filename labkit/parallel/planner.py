@@ -5,7 +5,8 @@ Memory per device (bytes), for the most loaded pipeline stage:
   weights + gradients + optimizer states  (bytes per parameter from the precision; optimizer states divided by dp
                                            when sharded, as ZeRO-1 does; one gradient-sized buffer, which with
                                            accum > 1 is mindformers' `accu_grads` that each micro-step adds into)
-  + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer)
+  + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer,
+                                           with the backward tensors MindSpore computes during the forward pass)
   + framework overhead                     (a stated constant per device preset)
 Time per step: FLOPs (6 N per token + the attention term, recompute adds its forward) over peak x efficiency,
 plus tensor-parallel all-reduces, pipeline sends and the data-parallel gradient all-reduce over the preset's
@@ -24,24 +25,9 @@ from labkit.errors import LabkitError
 from labkit.model.shapes import flops_per_token
 from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS, mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
+from labkit.parallel.memory import PRECISIONS, bytes_per_param, memory_breakdown, precision_of, stage_params
 
 
-@dataclass(frozen=True)
-class Precision:
-    act: int  # bytes per activation element (compute dtype)
-    param: int  # bytes per weight
-    grad: int  # bytes per gradient (MindSpore gradients take the weight's dtype)
-
-
-PRECISIONS = {
-    "fp32": Precision(act=4, param=4, grad=4),
-    # mindformers' Llama-2 recipes: param_init_type float16, compute fp16/bf16, AdamW moments in fp32
-    "fp16": Precision(act=2, param=2, grad=2),
-    "bf16": Precision(act=2, param=2, grad=2),
-}
-MOMENT_BYTES = 8  # AdamW m and v in float32 (mindformers.core.optim.AdamW clones them as float32)
-MASTER_BYTES = 4  # an fp32 master copy, kept only with master_weights=True (ZeRO's 16 bytes/param convention)
-LOSS_FP32_COPIES = 5  # mindformers CrossEntropyLoss: fp32 logits, log-softmax, one-hot kept; 2 more in backward
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
 DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe (dp 8 x batch 1 x accum 8)
 
@@ -49,98 +35,22 @@ DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe 
 # ------------------------------------------------------------------------------------------- memory model
 
 
-def bytes_per_param(precision: str = "fp16", master_weights: bool = False) -> dict[str, int]:
-    """Weights, gradients and optimizer bytes per parameter (before any sharding)."""
-    p = _precision(precision)
-    opt = MOMENT_BYTES + (MASTER_BYTES if master_weights else 0)
-    return {"weights": p.param, "gradients": p.grad, "optimizer": opt, "total": p.param + p.grad + opt}
-
-
-def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
-    """Parameters held by one device of the first and of the last pipeline stage ("only" without a pipeline).
-
-    Layers split as evenly as possible (the first stages take the remainder); the embedding is replicated over
-    mp (mindformers' vocab_emb_dp) and sits on the first stage; the output layer is split over mp on the last."""
-    h, L = cfg.hidden_size, cfg.num_layers
-    kv = cfg.kv_heads * cfg.head_dim
-    per_layer = (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_size) / mp + 2 * h
-    embed = cfg.vocab_size * h
-    head = cfg.vocab_size * h / mp  # the output layer (tied: a copy of the embedding on the last stage)
-    if pp == 1:
-        return {"only": {"layers": L, "params": L * per_layer + embed + h + (0 if cfg.tie_word_embeddings else head)}}
-    n_first, n_last = math.ceil(L / pp), L // pp  # the first L % pp stages take one layer more
-    return {"first": {"layers": n_first, "params": n_first * per_layer + embed},
-            "last": {"layers": n_last, "params": n_last * per_layer + head + h}}
-
-
-def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
-                      sequence_parallel: bool = False, recompute: str = "none", flash_attention: bool = True,
-                      fused_norm: bool = True) -> dict[str, float]:
-    """Activation elements of one decoder layer for one micro-batch: `stored` (kept for the backward pass) and
-    `working` (re-materialised for one layer at a time in the backward pass when recomputing).
-
-    Korthikanti et al. 2022 (Table 2) counted for a Llama layer (RMSNorm, SwiGLU, no dropout) instead of GPT:
-      norms: input + output each (+ the normalised tensor before the gain when the norm is not fused)
-      attention: Q, K, V (K, V expanded to all heads when mindformers repeats them without flash attention),
-                 the context (input of wo), and the softmax output a*s*s per sequence unless flash attention
-      SwiGLU: w1 output (SiLU input), SiLU output, w3 output, their product (w2 input): 4 * s * f
-    Tensor parallel splits everything but the norm tensors, which sequence parallel splits as well."""
-    s, b, h, f, a = seq_len, micro_batch, cfg.hidden_size, cfg.ffn_size, cfg.num_heads
-    sbh = s * b * h
-    kv = cfg.kv_heads * cfg.head_dim if flash_attention else h
-    norms = 2 * (2 if fused_norm else 3) * sbh
-    split = sbh * 2 + 2 * s * b * kv + 4 * s * b * f
-    scores = 0.0 if flash_attention else a * s * s * b
-    stats = 2 * a * s * b if flash_attention else 0.0  # flash attention keeps softmax max and sum per row
-    norms_dev = norms / mp if sequence_parallel else norms
-    full = norms_dev + (split + scores + stats) / mp
-    if recompute == "none":
-        return {"stored": full, "working": 0.0}
-    if recompute == "selective":  # recompute the attention core (scores, softmax) in the backward pass
-        return {"stored": full - scores / mp, "working": scores / mp}
-    if recompute == "full":  # keep only the layer input
-        return {"stored": sbh / mp if sequence_parallel else sbh, "working": full}
-    raise LabkitError(f"recompute '{recompute}' is not known", f"use one of {', '.join(RECOMPUTE)}")
-
-
-def loss_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1, act_bytes: int = 2,
-                     fused_norm: bool = True) -> float:
-    """Bytes of the final norm, logits and loss at the peak (start of the backward pass), last stage only."""
-    sb = seq_len * micro_batch
-    logits = sb * cfg.vocab_size / mp
-    norm = (2 if fused_norm else 3) * sb * cfg.hidden_size * act_bytes
-    return norm + logits * (LOSS_FP32_COPIES * 4 + (act_bytes if act_bytes != 4 else 0))
-
-
-def memory_breakdown(cfg: ModelConfig, *, seq_len: int, dp: int = 1, mp: int = 1, pp: int = 1,
-                     micro_batch: int = 1, accum: int = 1, recompute: str = "none", optimizer_shard: bool = False,
-                     precision: str = "fp16", master_weights: bool = False, flash_attention: bool = True,
-                     sequence_parallel: bool = False, fused_norm: bool = True,
-                     overhead_gib: float = 0.0) -> dict[str, float]:
-    """Peak memory of the most loaded device, in GiB, by part (see the module docstring)."""
-    prec = _precision(precision)
-    bpp = bytes_per_param(precision, master_weights)
-    stages = stage_params(cfg, mp, pp)
-    worst = None
-    for name, st in stages.items():
-        params = st["params"]
-        weights = params * bpp["weights"]
-        grads = params * bpp["gradients"]
-        opt = params * bpp["optimizer"] / (dp if optimizer_shard else 1)
-        layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=sequence_parallel,
-                                  recompute=recompute, flash_attention=flash_attention, fused_norm=fused_norm)
-        in_flight = min(pp if name == "first" else 1, accum)  # 1F1B: stage k holds p - k micro-batches
-        loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=prec.act,
-                                fused_norm=fused_norm) if name != "first" else 0.0
-        acts = in_flight * st["layers"] * layer["stored"] * prec.act + max(loss, layer["working"] * prec.act)
-        parts = {"weights": weights, "gradients": grads, "optimizer": opt, "activations": acts}
-        total = sum(parts.values())
-        if worst is None or total > worst[1]:
-            worst = ({**{k: v / GIB for k, v in parts.items()}, "stage": name, "params": params}, total)
-    out = worst[0]
-    out["overhead"] = overhead_gib
-    out["total"] = worst[1] / GIB + overhead_gib
-    return out
+# ----------------------------------------------- backward tensors MindSpore computes during the forward pass
+# MindSpore's kernel graph runs a kernel soon after its inputs exist (its launch order: MS_ALLOC_CONF=
+# memory_tracker:True task.csv, against MS_DEV_SAVE_GRAPHS=1 graph_build_*.ir). Backward-pass and optimizer kernels
+# whose inputs are all forward values therefore run during the forward pass, and their outputs stay live until the
+# backward pass (or the optimizer update) reads them: at the activation peak (the end of the forward pass) they are
+# extra tensors of the step. Measured on CPU (MindSpore 2.9,
+# mindformers 1.9, bench/plan_calibration.py): replaying the graph's allocations in launch order gives the memory
+# pool's peak to within its 1 MiB print resolution (81.6 MiB for 2 layers, 117.1 for 4, 148.7 at sequence 256).
+# These terms depend on the graph only: the same on every x86 CPU, whatever kernels oneDNN picks for its ISA.
+#   unfused RMSNorm (Square, ReduceMean, Rsqrt, Mul): Square's gradient factor 2 * x, one s*b*h tensor per norm;
+#   SiLU without a SiLU kernel (MindSpore's expander writes x * Sigmoid(x) on CPU): SiLUGrad's Sigmoid(x), one
+#     s*b*f tensor per layer (sequence-split by mp like the other SwiGLU tensors);
+#   the loss: _NLLLoss.bprop's exp(log-softmax), counted in LOSS_FP32_COPIES;
+#   mindformers AdamW: param_fp32 * (1 - lr * weight_decay) for every parameter (adamw_early_bytes), computed at
+#     the start of the step and read by the update at its end. No gradient exists yet at the forward-pass peak: in
+#     fp32 this product takes exactly the place (4 bytes per parameter) of the planner's gradient buffer.
 
 
 # --------------------------------------------------------------------------------------------- time model
@@ -150,7 +60,7 @@ def step_time(cfg: ModelConfig, dev: Device, *, seq_len: int, global_batch: int,
               micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, precision: str,
               peak_tflops: float, efficiency: float, nodes: int, sequence_parallel: bool = False) -> dict:
     """Seconds per optimizer step, by part, and the throughput it implies."""
-    prec = _precision(precision)
+    prec = precision_of(precision)
     devices = dp * mp * pp
     per_node = max(1, devices // nodes)
     tokens = global_batch * seq_len
@@ -202,6 +112,7 @@ class Setting:
     sequence_parallel: bool
     overhead_gib: float
     fused_norm: bool
+    fused_silu: bool
     constraints: dict  # pinned strategy keys (None = searched)
 
 
@@ -234,7 +145,7 @@ def setting(devices: int, device_memory_gib: float, *, device: str | Device, seq
             overhead_gib: float | None) -> Setting:
     """plan()'s arguments checked, with the device preset's values filled in."""
     dev = device if isinstance(device, Device) else device_preset(device, measure=peak_tflops is None)
-    _precision(precision)
+    precision_of(precision)
     if devices < 1 or device_memory_gib <= 0:
         raise LabkitError(f"devices ({devices}) and device memory ({device_memory_gib} GiB) must be positive")
     global_batch = global_batch or DEFAULT_GLOBAL_BATCH
@@ -251,6 +162,7 @@ def setting(devices: int, device_memory_gib: float, *, device: str | Device, seq
                    flash_attention=flash_attention, master_weights=master_weights, sequence_parallel=sequence_parallel,
                    overhead_gib=dev.overhead_gib if overhead_gib is None else overhead_gib,
                    fused_norm=dev.name.startswith("atlas"),  # mindformers' fused RMSNorm is Ascend-only
+                   fused_silu=dev.name != "cpu",  # MindSpore 2.9 has no CPU SiLU kernel: x * Sigmoid(x) instead
                    constraints=_check_constraints(constraints))
 
 
@@ -275,6 +187,7 @@ def strategy_row(cfg: ModelConfig, st: Setting, cand: dict) -> dict:
     sp = st.sequence_parallel and cand["mp"] > 1
     mem = memory_breakdown(cfg, seq_len=st.seq_len, precision=st.precision, master_weights=st.master_weights,
                            flash_attention=st.flash_attention, sequence_parallel=sp, fused_norm=st.fused_norm,
+                           fused_silu=st.fused_silu,
                            overhead_gib=st.overhead_gib, **cand)
     t = step_time(cfg, st.device, seq_len=st.seq_len, global_batch=st.global_batch, precision=st.precision,
                   peak_tflops=st.peak_tflops, efficiency=st.efficiency, nodes=st.nodes, sequence_parallel=sp, **cand)
@@ -302,7 +215,8 @@ def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> d
         "flash_attention": st.flash_attention,
         "assumptions": {
             "bytes_per_param": bpp, "model_states_gib_unsharded": round(cfg.num_params * bpp["total"] / GIB, 2),
-            "overhead_gib": st.overhead_gib, "fused_norm": st.fused_norm, "sequence_parallel": st.sequence_parallel,
+            "overhead_gib": st.overhead_gib, "fused_norm": st.fused_norm, "fused_silu": st.fused_silu,
+            "sequence_parallel": st.sequence_parallel,
             "master_weights": st.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
             "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
             "flops_per_token": flops_per_token(cfg, st.seq_len),
@@ -362,12 +276,6 @@ def _check_constraints(constraints: dict | None) -> dict:
     if rc is not None and rc not in RECOMPUTE:
         raise LabkitError(f"constraint recompute='{rc}' is not known", f"use one of {', '.join(RECOMPUTE)}")
     return constraints
-
-
-def _precision(precision: str) -> Precision:
-    if precision not in PRECISIONS:
-        raise LabkitError(f"precision '{precision}' is not known", f"use one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[precision]
 
 
 def _rounded(d: dict, nd: int = 3) -> dict:

@@ -10,14 +10,26 @@ from labkit.io import atomic_write_text
 # MindSpore prints its memory-pool statistics at exit with MS_DEV_RUNTIME_CONF=memory_statistics:True.
 # On CPU the pool holds a step's live tensors (activations, gradients); process RSS also carries graph compilation
 # and allocator caches, and max_memory_allocated() returns 0.
+# Two peaks, both in whole MiB, rounded down (integer division by 2**20 in MindSpore's mem_dynamic_allocator.cc):
+#   "peak used mem": the most bytes of tensors live at once (UsedMemPeakStatistics, sizes rounded up to 512 bytes);
+#   "actual peak used mem": the span of addresses the pool handed out (ActualPeakStatistics, max - min address of
+#   its blocks), i.e. the live bytes plus the holes its best-fit placement left between them.
 POOL_STATS_ENV = {"MS_DEV_RUNTIME_CONF": "memory_statistics:True"}
 _POOL_RE = re.compile(r"dynamic memory pool.*?actual peak used mem:(\d+)M")
+_POOL_BOTH_RE = re.compile(r"dynamic memory pool.*?, peak used mem:(\d+)M, actual peak used mem:(\d+)M")
 
 
 def pool_peak_mb(log_text: str) -> float | None:
-    """The last memory-pool peak MindSpore printed (MB), or None."""
+    """The last memory-pool peak MindSpore printed (MB, the address span: "actual peak used mem"), or None."""
     found = _POOL_RE.findall(log_text)
     return float(found[-1]) if found else None
+
+
+def pool_peaks_mb(log_text: str) -> dict | None:
+    """The last memory-pool statistics MindSpore printed, in MiB: `live` (the most tensor bytes live at once) and
+    `span` (the address span, live bytes plus placement holes); None when not printed."""
+    found = _POOL_BOTH_RE.findall(log_text)
+    return {"live": float(found[-1][0]), "span": float(found[-1][1])} if found else None
 
 
 def read_metrics(run_dir) -> list[dict]:
