@@ -28,7 +28,7 @@ from labkit.config import AMP_LEVELS, parse_recompute
 from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 from labkit.training.step import grad_ops
-from labkit.training.metrics import rewrite_metrics
+from labkit.training.metrics import rewrite_metrics, steady, steady_throughput
 
 
 class Trainer:
@@ -65,7 +65,7 @@ class Trainer:
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                  device_target=cfg.parallel.device_target, **self.amp,
                                  recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
-                                 parallel_config=self._mf_parallel_config())
+                                 parallel_config=self._mf_parallel_config(), kernels=t.kernels)
         if t.init_checkpoint:
             self._load_init(t.init_checkpoint)
         net = self.model
@@ -241,18 +241,23 @@ class Trainer:
                     self.save()
         finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
             bar.close()
-        return self.summary()
+        summary = self.summary()
+        if rank0 and (summary["mfu"] or 0) > 1:
+            self.log(f"warning: MFU {summary['mfu']:.0%} is impossible: the peak {self.peak_flops / 1e12:.3g} TFLOP/s "
+                     f"is too low; set train.peak_tflops to the device's real peak")
+        return summary
 
     def _train_step(self, tokens_per_step: int) -> dict:
         """One optimizer step (accum micro-steps), checked, counted and recorded in self.history."""
         import mindspore as ms
 
         t = self.cfg.train
+        batches = [ms.Tensor(next(self.loader)) for _ in range(t.accum)]  # data loading stays outside the timer
         start = time.perf_counter()
         scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
         scale_t = ms.Tensor(scale, ms.float32)
-        losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
-        loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t, ms.Tensor(scale * t.accum, ms.float32))
+        losses = [self._accumulate(x, scale_t) for x in batches[:-1]]
+        loss, finite, norm = self._step(batches[-1], scale_t, ms.Tensor(scale * t.accum, ms.float32))
         losses.append(loss)
         finite = bool(finite.asnumpy())
         loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
@@ -306,11 +311,9 @@ class Trainer:
 
     def summary(self) -> dict:
         h = self.history
-        steady = h[1:] if len(h) > 1 else h
-        avg = lambda k: sum(r[k] for r in steady) / len(steady) if steady else None  # noqa: E731
         return {"ok": True, "output": str(self.out), "steps": self.step,
                 "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
-                "tokens_per_s": avg("tokens_per_s"), "mfu": avg("mfu"),
+                "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h else None,
                 "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
                 "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
                 "world_size": self.world.size, "global_batch": self.global_batch}
