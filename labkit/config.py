@@ -301,7 +301,7 @@ class TrainConfig:
     init_checkpoint: str | None = None  # weights to start from (a `labkit convert hf2ms` output dir or a checkpoint)
     peak_tflops: float | None = None  # device peak for MFU (TFLOP/s); null = measure a GEMM probe at start
     mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
-    kernels: Literal["native", "custom"] = "native"  # CPU RMSNorm: MindSpore's ops, or the lab's C++ operator
+    kernels: Literal["native", "custom"] = "native"  # CPU RMSNorm + SwiGLU: MindSpore's ops, or the lab's C++ operators
 
     def validate(self, where: str = "train"):
         _positive(self, where, "steps", "micro_batch", "accum", "global_batch", "lr", "decay_steps",

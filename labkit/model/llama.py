@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.logs import quiet_mindformers
-from labkit.model.kernels.rmsnorm import KERNELS, use_custom_rms_norm
+from labkit.model.kernels import KERNELS, use_custom_kernels
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -80,8 +80,8 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
     recompute_layers: indices of decoder layers whose activations are recomputed in the backward pass.
     no_init: build the structure without allocating weights (exact shapes and counts, ~no memory).
     seed: re-initialise with labkit's documented scheme (see `init_weights`); None keeps mindformers' init.
-    kernels: "custom" runs RMSNorm as the lab's C++ operator on CPU (labkit.model.kernels); GPU/Ascend and
-        "native" keep mindformers' cells.
+    kernels: "custom" runs RMSNorm and SwiGLU as the lab's C++ operators on CPU (labkit.model.kernels);
+        GPU/Ascend and "native" keep mindformers' cells.
     """
     quiet_mindformers()
     import mindspore as ms
@@ -104,7 +104,7 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
     if kernels not in KERNELS:
         raise LabkitError(f"kernels '{kernels}' is not known", f"use one of {', '.join(KERNELS)}")
     if kernels == "custom" and device_target == "CPU":
-        use_custom_rms_norm(model)
+        use_custom_kernels(model)
     for i in recompute_layers or []:
         if not 0 <= i < cfg.num_layers:
             raise LabkitError(f"recompute layer {i} is outside 0..{cfg.num_layers - 1}")

@@ -13,9 +13,6 @@ import sys
 
 from labkit.model.kernels.build import build
 
-KERNELS = ("native", "custom")
-
-
 @functools.lru_cache(maxsize=1)
 def rms_norm_op():
     """The forward `ops.Custom` with its backward attached, or None when no C++ compiler is found."""
