@@ -135,6 +135,7 @@ class Trainer:
         from mindspore.ops import functional as F
 
         opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
+        scaled = self.scaler is not None  # all_finite and the update branch only matter under loss scaling
         g_ops, hmap = grad_ops(), ops.HyperMap()
         reducer = None
         if self.world.mode == "data_parallel":
@@ -154,11 +155,16 @@ class Trainer:
             if reducer is not None:
                 grads = reducer(grads)
             grads = hmap(F.partial(g_ops["divide"], denom), grads)
-            finite = ms.amp.all_finite(grads)
             norm = ops.sqrt(ops.addn(hmap(g_ops["square_sum"], grads)))
+            if scaled:
+                finite = ms.amp.all_finite(grads)
+            else:  # O0: no overflow to skip; a non-finite gradient makes the norm non-finite and stops the run
+                finite = ops.isfinite(norm)
             if clip > 0:
                 grads = hmap(F.partial(g_ops["multiply"], ops.minimum(clip / (norm + 1e-6), 1.0)), grads)
-            if finite:  # a skipped update leaves weights, moments and the schedule position untouched
+            if not scaled:
+                opt(grads)
+            elif finite:  # a skipped update leaves weights, moments and the schedule position untouched
                 opt(grads)
             if accum > 1:
                 loss = F.depend(loss, hmap(g_ops["zero"], acc))
@@ -286,8 +292,8 @@ class Trainer:
                 self.log(f"step {step}: gradient overflow at loss scale {scale:g}; update skipped, scale reduced")
                 return
             raise LabkitFailure(
-                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped before the "
-                f"update (weights unchanged)",
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped with no "
+                f"checkpoint of this step",
                 f"likely causes: learning rate too high (lr={t.lr:g}; try 3-10x lower or a longer warmup), "
                 f"float16 overflow ({t.amp_level}: use loss scaling or O0), or bad data (check `labkit data build` "
                 f"warnings). Resume from the last checkpoint with --resume after fixing it")
