@@ -66,3 +66,10 @@ def test_gemm_peak_is_below_what_the_cores_can_do():
     per_cycle = 64 if "AVX-512" in isa else 32 if "AVX2" in isa else 16
     bound = (os.cpu_count() or 1) * 5e9 * per_cycle
     assert 1e9 < measure_gemm_peak(n=512, repeats=3) < bound
+
+
+def test_doctor_shows_the_matrix_isa():
+    from labkit.doctor.env import collect_hardware
+    from labkit.parallel.devices import cpu_matrix_isa
+
+    assert collect_hardware()["cpu_matrix_isa"] == cpu_matrix_isa()["summary"]

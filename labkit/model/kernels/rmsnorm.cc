@@ -4,11 +4,11 @@
 //             dw = sum over rows of dy * xhat
 // Inputs are x [..., H], w [H], eps [1]; every tensor is contiguous float32.
 // AOT signature: params holds the inputs, then the outputs; shapes/ndims describe each of them.
+// Single-threaded, vectorised (`#pragma omp simd` under -fopenmp-simd): MindSpore runs the operator on one of its
+// own pool threads, and an OpenMP team of our own would compete with the pool's threads for the same cores.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-#include <omp.h>
 
 namespace {
 
@@ -42,7 +42,6 @@ extern "C" int RmsNormForward(int nparam, void **params, int *ndims, int64_t **s
   float *y = static_cast<float *>(params[3]);
   const int64_t h = shapes[0][ndims[0] - 1];
   const int64_t n = rows_of(ndims[0], shapes[0]);
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * h;
     float *yr = y + r * h;
@@ -65,31 +64,20 @@ extern "C" int RmsNormBackward(int nparam, void **params, int *ndims, int64_t **
   float *dw = static_cast<float *>(params[5]);
   const int64_t h = shapes[0][ndims[0] - 1];
   const int64_t n = rows_of(ndims[0], shapes[0]);
-  const int threads = omp_get_max_threads();
-  std::vector<float> partial(static_cast<size_t>(threads) * h, 0.f);  // one dw accumulator per thread
-#pragma omp parallel
-  {
-    float *acc = partial.data() + static_cast<size_t>(omp_get_thread_num()) * h;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      const float *xr = x + r * h, *gr = dy + r * h;
-      float *dxr = dx + r * h;
-      const float rstd = row_rstd(xr, h, eps);
-      float dot = 0.f;  // sum of (dy * w) * xhat over the row
+  for (int64_t j = 0; j < h; ++j) dw[j] = 0.f;
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * h, *gr = dy + r * h;
+    float *dxr = dx + r * h;
+    const float rstd = row_rstd(xr, h, eps);
+    float dot = 0.f;  // sum of (dy * w) * x over the row
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < h; ++j) dot += gr[j] * w[j] * xr[j];
-      const float c = dot * rstd * rstd / static_cast<float>(h);
+    for (int64_t j = 0; j < h; ++j) dot += gr[j] * w[j] * xr[j];
+    const float c = dot * rstd * rstd / static_cast<float>(h);
 #pragma omp simd
-      for (int64_t j = 0; j < h; ++j) {
-        dxr[j] = rstd * (gr[j] * w[j] - xr[j] * c);
-        acc[j] += gr[j] * xr[j] * rstd;
-      }
+    for (int64_t j = 0; j < h; ++j) {
+      dxr[j] = rstd * (gr[j] * w[j] - xr[j] * c);
+      dw[j] += gr[j] * xr[j] * rstd;
     }
-  }
-  for (int64_t j = 0; j < h; ++j) {
-    float s = 0.f;
-    for (int t = 0; t < threads; ++t) s += partial[static_cast<size_t>(t) * h + j];
-    dw[j] = s;
   }
   return 0;
 }

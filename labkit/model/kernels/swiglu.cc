@@ -2,6 +2,7 @@
 //   forward : out = silu(gate) * up,                 silu(g) = g * sigmoid(g)
 //   backward: dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  dup = dout * silu(g)
 // gate, up, dout, out, dgate, dup all have the same shape; every tensor is contiguous float32.
+// Single-threaded and vectorised, like rmsnorm.cc (no OpenMP team competing with MindSpore's pool threads).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,7 +31,7 @@ extern "C" int SwiGluForward(int nparam, void **params, int *ndims, int64_t **sh
   const float *u = static_cast<const float *>(params[1]);
   float *out = static_cast<float *>(params[2]);
   const int64_t n = numel(ndims[0], shapes[0]);
-#pragma omp parallel for simd schedule(static)
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   return 0;
 }
@@ -45,7 +46,7 @@ extern "C" int SwiGluBackward(int nparam, void **params, int *ndims, int64_t **s
   float *dg = static_cast<float *>(params[3]);
   float *du = static_cast<float *>(params[4]);
   const int64_t n = numel(ndims[0], shapes[0]);
-#pragma omp parallel for simd schedule(static)
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.f / (1.f + std::exp(-g[i]));
     du[i] = d[i] * g[i] * s;
