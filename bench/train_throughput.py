@@ -179,9 +179,11 @@ def summarise(a, runs: dict, peaks: dict) -> dict:
         res[f"{key}_best_tokens_per_s"] = tokens / min(steady_stats(r["step_times"])["min"] for r in rs)
         res[f"{key}_spread"] = {"step_s_median": step, "step_s_per_round": medians,
                                 "rel_iqr_per_round": [steady_stats(r["step_times"])["rel_iqr"] for r in rs]}
-    # same data, same init: the custom kernels must give the native losses (float32 reordering only)
-    res["custom_max_loss_diff"] = max(abs(x - y) for x, y in zip(runs["ms_native"][0]["losses"],
-                                                                 runs["ms_custom"][0]["losses"]))
+    # same data, same init: the custom kernels give the native losses up to float32 reordering; under AdamW at the
+    # peak learning rate such differences grow over the steps, so the first 10 steps are the comparison
+    diffs = [abs(x - y) for x, y in zip(runs["ms_native"][0]["losses"], runs["ms_custom"][0]["losses"])]
+    res["custom_max_loss_diff"] = max(diffs[:10])
+    res["custom_loss_diff_per_step"] = diffs
     res["ratio"] = res["ms_tokens_per_s"] / res["torch_tokens_per_s"]
     res["custom_ratio"] = res["ms_custom_tokens_per_s"] / res["torch_tokens_per_s"]
     isa = cpu_matrix_isa()
@@ -202,7 +204,7 @@ def print_table(r: dict):
         f"{'/'.join(f'{m:.3f}' for m in r[keys[c] + '_spread']['step_s_per_round']):>18}" for c in COLUMNS))
     print(f"GEMM peak GFLOP/s: MindSpore fp32 {r['gemm_gflops']:.0f}, torch fp32 {r['torch_gemm_gflops']:.0f}, "
           f"torch bf16 {r['torch_bf16_gemm_gflops']:.0f}   ratio MindSpore/PyTorch fp32 {r['ratio']:.2f}, "
-          f"with custom kernels {r['custom_ratio']:.2f}; custom vs native loss max |diff| "
+          f"with custom kernels {r['custom_ratio']:.2f}; custom vs native loss max |diff| (10 steps) "
           f"{r['custom_max_loss_diff']:.2e}")
     print(f"machine: {r['machine']}")
     for name, table in r.get("profile", {}).items():
