@@ -248,6 +248,9 @@ MODEL_PRESETS: dict[str, dict] = {
     # learns visibly in a minute on 2 CPU cores; vocab matches the shipped tokenizer
     "tiny": dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                  max_position_embeddings=512),
+    # ~30M parameters: a model where the matrix work, not the element-wise work, starts to dominate a CPU step
+    "small": dict(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                  max_position_embeddings=512),
     # ~110M parameters, GPT-2-small-like width; too slow to train on CPU beyond a few steps
     "llama_100m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12,
                        tie_word_embeddings=True, max_position_embeddings=2048),
@@ -314,6 +317,7 @@ class TrainConfig:
     init_checkpoint: str | None = None  # weights to start from (a `labkit convert hf2ms` output dir or a checkpoint)
     peak_tflops: float | None = None  # device peak for MFU (TFLOP/s); null = measure a GEMM probe at start
     mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
+    kernels: Literal["native", "custom"] = "native"  # CPU RMSNorm + SwiGLU: MindSpore's ops, or the lab's C++ operators
 
     def validate(self, where: str = "train"):
         _positive(self, where, "steps", "micro_batch", "accum", "global_batch", "lr", "decay_steps",

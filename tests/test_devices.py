@@ -33,3 +33,43 @@ def test_gemm_probe_and_cpu_preset():
     assert cpu.peak("fp32") > 1e-4 and cpu.memory_gib > 1
     with pytest.raises(LabkitError):
         measure_gemm_peak(n=256, dtype="int8")
+
+
+AVX2_ONLY = "model name\t: Some CPU\nflags\t\t: fpu sse2 avx fma avx2\n"
+AVX512_BF16 = "model name\t: AMD EPYC\nflags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16\n"
+SAPPHIRE = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480C\nflags\t\t: avx2 fma avx512f avx512_bf16 "
+            "avx512_fp16 amx_bf16 amx_tile amx_int8\nprocessor\t: 1\nmodel name\t: ignored\nflags\t\t: sse2\n")
+
+
+def test_matrix_isa_reads_cpuinfo_flags():
+    from labkit.parallel.devices import cpu_matrix_isa
+
+    a = cpu_matrix_isa(AVX2_ONLY)
+    assert a["matrix_isa"] == ["AVX2", "FMA"] and not a["bf16_native"] and "emulated" in a["summary"]
+    b = cpu_matrix_isa(AVX512_BF16)
+    assert "AVX-512 BF16" in b["matrix_isa"] and "AMX" not in b["matrix_isa"] and b["bf16_native"]
+    c = cpu_matrix_isa(SAPPHIRE)  # the first processor's lines are the ones read
+    assert c["model"].startswith("Intel") and {"AMX", "AMX BF16", "AVX-512 FP16"} <= set(c["matrix_isa"])
+    assert "native bf16 matmul: AMX" in c["summary"]
+    assert cpu_matrix_isa("")["matrix_isa"] == []
+
+
+def test_gemm_peak_is_below_what_the_cores_can_do():
+    """The probe (inside @ms.jit) cannot beat physics: cores x 5 GHz x FLOP per cycle of the widest FMA this CPU
+    has (AVX-512: 2 units x 16 floats x 2 = 64; AVX2: 32; else 16). A peak above that is a timing bug, and an MFU
+    measured against a too-low peak is what it exists to prevent (tests for the low side: MFU <= 1 in the bench)."""
+    import os
+
+    from labkit.parallel.devices import cpu_matrix_isa
+
+    isa = cpu_matrix_isa()["matrix_isa"]
+    per_cycle = 64 if "AVX-512" in isa else 32 if "AVX2" in isa else 16
+    bound = (os.cpu_count() or 1) * 5e9 * per_cycle
+    assert 1e9 < measure_gemm_peak(n=512, repeats=3) < bound
+
+
+def test_doctor_shows_the_matrix_isa():
+    from labkit.doctor.env import collect_hardware
+    from labkit.parallel.devices import cpu_matrix_isa
+
+    assert collect_hardware()["cpu_matrix_isa"] == cpu_matrix_isa()["summary"]

@@ -21,6 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from labkit.paths import CONFIGS, ROOT, RUNS
+from labkit.parallel.devices import cpu_matrix_isa
 from labkit.doctor.registries import check_model_dirs, hf_registry, mf_registry, read_model_dir, shadowed_registrations
 from labkit.doctor.registries import issue
 
@@ -131,6 +132,7 @@ def collect_hardware() -> dict:
         "npus": sorted(Path(p).name for p in glob.glob("/dev/davinci[0-9]*")),
         "cann": _version_file(ascend / "compiler" / "version.info"),
         "ascend_driver": _version_file(Path("/usr/local/Ascend/driver/version.info")),
+        "cpu_matrix_isa": cpu_matrix_isa()["summary"],  # what a bf16/fp16 matmul can use on this CPU
     }
 
 
@@ -345,6 +347,7 @@ def format_report(r: dict) -> str:
             lines.append(f"  {t:<7} no: {d['error'][:160]}")
     hw = r["hardware"]
     lines.append(f"accelerators visible: NVIDIA {hw['nvidia_gpus'] or 'none'}, Ascend NPU {hw['npus'] or 'none'}")
+    lines.append(f"CPU matrix instructions: {hw.get('cpu_matrix_isa') or 'unknown'}")
     wp = r["wheel_plugins"]
     lines.append(f"wheel plugins: CPU {'yes' if wp['cpu'] else 'no'}, GPU for CUDA {', '.join(wp['gpu_cuda']) or '-'}"
                  f", Ascend {'yes' if wp['ascend'] else 'no'}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from labkit.errors import LabkitError
 from labkit.training.metrics import read_metrics
+from labkit.training.metrics import steady_throughput as metrics_steady_throughput
 
 
 def _run_and_checkpoint(path) -> tuple[Path, Path | None]:
@@ -50,9 +51,5 @@ def compare_runs(run_a, run_b) -> dict:
 
 
 def steady_throughput(run) -> float | None:
-    """Median tokens/s over the steps after the first (the first one carries graph compilation)."""
-    import statistics
-
-    rows = read_metrics(run)
-    vals = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
-    return statistics.median(vals) if vals else None
+    """tokens/s of a run's median steady step (labkit.training.metrics.steady_throughput: the one definition)."""
+    return metrics_steady_throughput(read_metrics(run))["tokens_per_s"]

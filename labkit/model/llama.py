@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.logs import quiet_mindformers
+from labkit.model.kernels import KERNELS, use_custom_kernels
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -72,12 +73,15 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
                 compute_dtype: str = "float32", param_dtype: str = "float32",
                 softmax_dtype: str = "float32", norm_dtype: str = "float32",
                 use_flash_attention: bool | None = None, recompute_layers: list[int] | None = None,
-                parallel_config: dict | None = None, no_init: bool = False, seed: int | None = None):
+                parallel_config: dict | None = None, no_init: bool = False, seed: int | None = None,
+                kernels: str = "native"):
     """A `mindformers.LlamaForCausalLM`.
 
     recompute_layers: indices of decoder layers whose activations are recomputed in the backward pass.
     no_init: build the structure without allocating weights (exact shapes and counts, ~no memory).
     seed: re-initialise with labkit's documented scheme (see `init_weights`); None keeps mindformers' init.
+    kernels: "custom" runs RMSNorm and SwiGLU as the lab's C++ operators on CPU (labkit.model.kernels);
+        GPU/Ascend and "native" keep mindformers' cells.
     """
     quiet_mindformers()
     import mindspore as ms
@@ -97,6 +101,10 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
     model = LlamaForCausalLM(config=llama_cfg)  # keyword: the lazy-inline decorator reads kwargs['config']
     if seed is not None:
         init_weights(model, cfg, seed)
+    if kernels not in KERNELS:
+        raise LabkitError(f"kernels '{kernels}' is not known", f"use one of {', '.join(KERNELS)}")
+    if kernels == "custom" and device_target == "CPU":
+        use_custom_kernels(model)
     for i in recompute_layers or []:
         if not 0 <= i < cfg.num_layers:
             raise LabkitError(f"recompute layer {i} is outside 0..{cfg.num_layers - 1}")

@@ -65,10 +65,44 @@ def health(history: list[dict], grad_norm_alert: float = 10.0) -> dict:
             "non_finite_steps": bad, "overflows": history[-1].get("overflows", 0), "verdict": verdict}
 
 
-def steady(history: list[dict], key: str, skip: int = 1) -> float:
-    """Mean of `key` after the first `skip` steps (the first step includes graph compilation)."""
-    rows = history[skip:] or history
-    return sum(r[key] for r in rows) / len(rows)
+# The one steady-throughput definition (trainer summary, run comparison, benches). Step 1 compiles the graph;
+# MindSpore's CPU element-wise kernels tune their task count over their first calls (steps 2-5 of the tiny run
+# ~40% slower than step 6 on), so the first WARMUP_STEPS steps are left out of every throughput figure.
+WARMUP_STEPS = 5
+
+
+def steady_window(values: list, warmup: int = WARMUP_STEPS) -> list:
+    """The values after warm-up; a run too short for that keeps what follows its first (compiling) step."""
+    return list(values[warmup:] or values[1:] or values)
+
+
+def steady_stats(values: list[float], warmup: int = WARMUP_STEPS) -> dict:
+    """Median of the steady window with its spread: quartiles, min, max, and (q3 - q1) / median as `rel_iqr`.
+    The median, not the mean: a shared machine's stalls only ever lengthen a step, and one stall would move
+    a mean but not a median."""
+    import statistics
+
+    w = sorted(float(v) for v in steady_window(values, warmup))
+    if not w:
+        return {"n": 0, "median": None}
+    med = statistics.median(w)
+    q1, _, q3 = statistics.quantiles(w, n=4, method="inclusive") if len(w) > 1 else (w[0], w[0], w[0])
+    return {"n": len(w), "median": med, "q1": q1, "q3": q3, "min": w[0], "max": w[-1],
+            "rel_iqr": (q3 - q1) / med if med else None}
+
+
+def steady(history: list[dict], key: str, skip: int = WARMUP_STEPS) -> float | None:
+    """Median of `key` over the steady window (see steady_stats)."""
+    return steady_stats([r[key] for r in history], skip)["median"]
+
+
+def steady_throughput(history: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """tokens/s of the median steady step (tokens per step / median step time) and the step time's spread."""
+    stats = steady_stats([r["step_time_s"] for r in history], warmup)
+    if not stats["n"]:
+        return {"tokens_per_s": None, "step_time": stats}
+    tokens = history[-1]["tokens_per_s"] * history[-1]["step_time_s"]
+    return {"tokens_per_s": tokens / stats["median"], "step_time": stats}
 
 
 def rewrite_metrics(out: Path, history: list[dict]):

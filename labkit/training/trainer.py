@@ -28,7 +28,7 @@ from labkit.config import AMP_LEVELS, parse_recompute
 from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 from labkit.training.step import grad_ops
-from labkit.training.metrics import rewrite_metrics
+from labkit.training.metrics import rewrite_metrics, steady, steady_throughput
 from labkit.training.monitor import LeakMonitor
 from labkit.training.tensorboard import EventWriter
 
@@ -60,7 +60,7 @@ class Trainer:
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                  device_target=cfg.parallel.device_target, **self.amp,
                                  recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
-                                 parallel_config=self._mf_parallel_config())
+                                 parallel_config=self._mf_parallel_config(), kernels=t.kernels)
         if t.init_checkpoint:
             self._load_init(t.init_checkpoint)
         net = self.model
@@ -130,6 +130,7 @@ class Trainer:
         from mindspore.ops import functional as F
 
         opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
+        scaled = self.scaler is not None  # all_finite and the update branch only matter under loss scaling
         g_ops, hmap = grad_ops(), ops.HyperMap()
         reducer = None
         if self.world.mode == "data_parallel":
@@ -149,11 +150,16 @@ class Trainer:
             if reducer is not None:
                 grads = reducer(grads)
             grads = hmap(F.partial(g_ops["divide"], denom), grads)
-            finite = ms.amp.all_finite(grads)
             norm = ops.sqrt(ops.addn(hmap(g_ops["square_sum"], grads)))
+            if scaled:
+                finite = ms.amp.all_finite(grads)
+            else:  # O0: no overflow to skip; a non-finite gradient makes the norm non-finite and stops the run
+                finite = ops.isfinite(norm)
             if clip > 0:
                 grads = hmap(F.partial(g_ops["multiply"], ops.minimum(clip / (norm + 1e-6), 1.0)), grads)
-            if finite:  # a skipped update leaves weights, moments and the schedule position untouched
+            if not scaled:
+                opt(grads)
+            elif finite:  # a skipped update leaves weights, moments and the schedule position untouched
                 opt(grads)
             if accum > 1:
                 loss = F.depend(loss, hmap(g_ops["zero"], acc))
@@ -244,18 +250,23 @@ class Trainer:
                 events.close()
         if self.memory.report()["flagged"] and rank0:
             self.log(self.memory.report()["message"])
-        return self.summary()
+        summary = self.summary()
+        if rank0 and (summary["mfu"] or 0) > 1:
+            self.log(f"warning: MFU {summary['mfu']:.0%} is impossible: the peak {self.peak_flops / 1e12:.3g} TFLOP/s "
+                     f"is too low; set train.peak_tflops to the device's real peak")
+        return summary
 
     def _train_step(self, tokens_per_step: int) -> dict:
         """One optimizer step (accum micro-steps), checked, counted and recorded in self.history."""
         import mindspore as ms
 
         t = self.cfg.train
+        batches = [ms.Tensor(next(self.loader)) for _ in range(t.accum)]  # data loading stays outside the timer
         start = time.perf_counter()
         scale = float(self.scaler.scale_value.asnumpy()) if self.scaler else 1.0
         scale_t = ms.Tensor(scale, ms.float32)
-        losses = [self._accumulate(ms.Tensor(next(self.loader)), scale_t) for _ in range(t.accum - 1)]
-        loss, finite, norm = self._step(ms.Tensor(next(self.loader)), scale_t, ms.Tensor(scale * t.accum, ms.float32))
+        losses = [self._accumulate(x, scale_t) for x in batches[:-1]]
+        loss, finite, norm = self._step(batches[-1], scale_t, ms.Tensor(scale * t.accum, ms.float32))
         losses.append(loss)
         finite = bool(finite.asnumpy())
         loss = float(sum(float(v.asnumpy()) for v in losses) / t.accum)
@@ -284,8 +295,8 @@ class Trainer:
                 self.log(f"step {step}: gradient overflow at loss scale {scale:g}; update skipped, scale reduced")
                 return
             raise LabkitFailure(
-                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped before the "
-                f"update (weights unchanged)",
+                f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; training stopped with no "
+                f"checkpoint of this step",
                 f"likely causes: learning rate too high (lr={t.lr:g}; try 3-10x lower or a longer warmup), "
                 f"float16 overflow ({t.amp_level}: use loss scaling or O0), or bad data (check `labkit data build` "
                 f"warnings). Resume from the last checkpoint with --resume after fixing it")
@@ -309,11 +320,9 @@ class Trainer:
 
     def summary(self) -> dict:
         h = self.history
-        steady = h[1:] if len(h) > 1 else h
-        avg = lambda k: sum(r[k] for r in steady) / len(steady) if steady else None  # noqa: E731
         return {"ok": True, "output": str(self.out), "steps": self.step,
                 "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
-                "tokens_per_s": avg("tokens_per_s"), "mfu": avg("mfu"),
+                "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h else None,
                 "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
                 "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
                 "world_size": self.world.size, "global_batch": self.global_batch}
