@@ -205,16 +205,31 @@ def verify_files(directory) -> dict:
 
 def load(path, impl: str = "hf"):
     """Load a tokenizer directory with one implementation: `hf` (AutoTokenizer, fast where it exists), `hf-slow`
-    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer)."""
+    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer). The files are checked first
+    (labkit.data.tokenizer_files): an implementation that cannot read the directory's family is refused with why."""
+    from labkit.data.tokenizer_files import check_loadable
+
     if impl not in IMPLS:
         raise LabkitError(f"unknown tokenizer implementation '{impl}'", f"use one of {', '.join(IMPLS)}")
     d = lab_path(path)
     if not d.is_dir():
         raise LabkitError(f"tokenizer directory {path} not found",
-                          "point at a directory with tokenizer.model (e.g. data/tokenizer, or train one with "
+                          "point at a tokenizer directory (e.g. data/tokenizer, or train one with "
                           "`labkit tokenizer train`)")
-    if impl != "hf" and not (d / "tokenizer.model").is_file():
-        raise LabkitError(f"{d} has no tokenizer.model, which {impl} needs", "use --*-impl hf, or add tokenizer.model")
+    check_loadable(d, impl)
+    try:
+        tok = _load_checked(d, impl)
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
+        raise LabkitError(f"{impl} cannot load {d}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
+                          "the directory needs tokenizer_config.json (tokenizer_class) and the vocabulary files "
+                          "of that class (tokenizer.json for hf)") from None
+    if not callable(tok):  # AutoTokenizer returns odd values for folders it half understands
+        raise LabkitError(f"{impl} did not build a tokenizer from {d} (got {type(tok).__name__})",
+                          "check tokenizer_config.json's tokenizer_class against the files in the directory")
+    return tok
+
+
+def _load_checked(d: Path, impl: str):
     if impl == "mindformers":
         from labkit.logs import quiet_mindformers
 
@@ -227,12 +242,7 @@ def load(path, impl: str = "hf"):
         return LlamaTokenizer.from_pretrained(str(d))
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(d), use_fast=(impl == "hf"))
-    except (OSError, ValueError) as e:
-        raise LabkitError(f"transformers cannot load {d}: {str(e).splitlines()[0]}",
-                          "the directory needs tokenizer_config.json (tokenizer_class) and tokenizer.model or "
-                          "tokenizer.json") from None
+    return AutoTokenizer.from_pretrained(str(d), use_fast=(impl == "hf"))
 
 
 def vocab_size(tok) -> int:

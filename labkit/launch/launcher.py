@@ -106,13 +106,14 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     also on KeyboardInterrupt (which is then re-raised)."""
     from labkit.config import dump_run_config
     from labkit.paths import RUNS
-    from labkit.io import atomic_write_text
+    from labkit.io import OutputLock, atomic_write_text
 
     log = log or (lambda m: print(m, file=sys.stderr))
     pl = prepare(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
               master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
               micro_batch=micro_batch, accum=accum, seed=seed)
     out = Path(pl.output)
+    lock = OutputLock(out, pl.node_rank, "labkit launch").acquire()  # before --overwrite clears anything
     logs = out / "logs"
     if not resume and overwrite:
         _clear_run(out)
@@ -214,6 +215,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
             guard.wait()
         result.pids = sorted(job.procs)
         result.survivors = sorted(p.pid for p in job.alive())
+        lock.release()
     from labkit.training import checkpoint
 
     result.seconds = time.perf_counter() - started
