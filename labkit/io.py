@@ -59,6 +59,22 @@ def read_yaml_file(path: str | os.PathLike):
         raise LabkitError(f"{path}{where}: not valid YAML ({problem})", fix) from None
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where that is not available."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -70,8 +86,9 @@ def atomic_dir(dst: str | os.PathLike, overwrite: bool = False):
     """Yield a temporary directory beside `dst`; rename it to `dst` only when the block finishes.
 
     An interrupted write leaves a `.tmp-*` folder that nothing reads, never a complete-looking `dst`. With
-    `overwrite`, the old `dst` is first moved aside (`.old-*`), the new one renamed into place, and only then the
-    old one deleted: a crash at any moment leaves a complete old or new folder."""
+    `overwrite`, the new folder and the old `dst` swap places in one step (Linux renameat2 RENAME_EXCHANGE) and the
+    old one is then deleted: a crash at any moment leaves the complete old or the complete new folder at `dst`.
+    Where the filesystem cannot exchange, the old `dst` is moved aside (`.old-*`) just before the rename."""
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise LabkitError(f"output directory {dst} already exists", "choose another --output or delete it first")
@@ -89,8 +106,11 @@ def atomic_dir(dst: str | os.PathLike, overwrite: bool = False):
         if better is not None:
             raise better from None
         raise
+    if dst.exists() and exchange(tmp, dst):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
+        return
     old = None
-    if dst.exists():
+    if dst.exists():  # no atomic exchange on this filesystem: a short window where dst is absent
         old = Path(tempfile.mkdtemp(prefix=f".old-{dst.name}-", dir=dst.parent))
         os.replace(dst, old / dst.name)
     os.replace(tmp, dst)

@@ -35,16 +35,16 @@ def read_json(path: Path) -> dict:
 
 
 def sentencepiece_problem(path: Path) -> str | None:
-    """None when `path` parses as a SentencePiece ModelProto with pieces, else the reason it does not."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    """None when `path` loads as a SentencePiece model with pieces, else the reason it does not. Parsed by
+    SentencePiece's C++ code: importing the Python protobuf module here would break mindspore's own later import."""
+    import sentencepiece as spm
 
     data = path.read_bytes()
-    proto = pb.ModelProto()
     try:
-        proto.ParseFromString(data)
-    except Exception as e:  # google.protobuf.message.DecodeError, or a RuntimeError from the C++ parser
-        return f"it does not parse as a SentencePiece ModelProto ({type(e).__name__}; {len(data)} bytes)"
-    if not proto.pieces:
+        n = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
+    except (RuntimeError, OSError, TypeError):
+        return f"SentencePiece cannot parse it ({len(data)} bytes, starting {data[:24]!r})"
+    if n == 0:
         return f"it parses but holds no pieces ({len(data)} bytes): not a SentencePiece model"
     return None
 
@@ -82,11 +82,19 @@ def special_token_conflicts(d: Path) -> list[str]:
     return out
 
 
+# the vocabulary files of common slow classes (their `vocab_files_names`), so a refusal needs no transformers import
+KNOWN_SLOW = {"LlamaTokenizer": ["tokenizer.model"], "CodeLlamaTokenizer": ["tokenizer.model"],
+              "GPT2Tokenizer": ["vocab.json", "merges.txt"], "Qwen2Tokenizer": ["vocab.json", "merges.txt"],
+              "BertTokenizer": ["vocab.txt"], "T5Tokenizer": ["spiece.model"]}
+
+
 def slow_files(d: Path) -> tuple[str, list[str]]:
     """(slow class name, its vocabulary files) for the directory's tokenizer_class; ('', []) when unknown."""
+    name = str(read_json(d / "tokenizer_config.json").get("tokenizer_class") or "").removesuffix("Fast")
+    if name in KNOWN_SLOW:
+        return name, list(KNOWN_SLOW[name])
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    name = str(read_json(d / "tokenizer_config.json").get("tokenizer_class") or "").removesuffix("Fast")
     cls = tokenizer_class_from_name(name) if name else None
     if cls is None or name == "PreTrainedTokenizer":
         return name, []

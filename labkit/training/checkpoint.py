@@ -64,7 +64,9 @@ def save(output: Path, step: int, params: list, meta: dict, keep: int) -> Path:
         record = {"kind": KIND, "step": step, **meta, "state_ckpt": file_digest(tmp / "state.ckpt")}
         (tmp / "state.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
     for old in list_checkpoints(output)[:-keep] if keep else []:
-        shutil.rmtree(old, ignore_errors=True)
+        gone = old.with_name(f".del-{old.name}")  # renamed first: a kill mid-delete leaves no half checkpoint
+        old.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
     return dst
 
 
