@@ -20,10 +20,11 @@ from labkit.errors import LabkitError, LabkitFailure
 
 def disk_error(e: BaseException, path) -> LabkitError | None:
     """The LabkitError a full disk or an unwritable folder should have been, or None for other exceptions.
-    Libraries wrap ENOSPC in their own exceptions (MindSpore: RuntimeError), so the message is read too."""
+    Libraries wrap ENOSPC in their own exceptions (MindSpore's checkpoint and MindRecord writers: RuntimeError),
+    so the message is read too."""
     code = getattr(e, "errno", None)
     text = str(e)
-    if code == errno.ENOSPC or "No space left on device" in text:
+    if code == errno.ENOSPC or any(m in text for m in ("No space left on device", "No free disk")):
         return LabkitFailure(f"no space left on device while writing {path}; the partial output was removed",
                              f"free space on the filesystem of {Path(path).parent} (`df -h {Path(path).parent}`), "
                              "or write to another --output, then run the command again")
