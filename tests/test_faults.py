@@ -220,3 +220,42 @@ def test_disk_full_stops_training_and_resume_works_after(tmp_path):
     assert r["after_full"] == ["step_000001"], r["after_full"]  # the half-written step 2 is gone
     assert r["resumed"]["code"] == 0, r["resumed"]["tail"]
     assert r["after_resume"] == ["step_000002", "step_000003"], r["after_resume"]
+
+
+# ------------------------------------------------------------------------------------------ output lock
+
+
+def test_output_lock_one_writer_per_node_rank(tmp_path):
+    import socket
+
+    from labkit.io import OutputLock, lock_name
+
+    run = tmp_path / "run"
+    with OutputLock(run, 0, "labkit train") as mine:
+        assert (run / lock_name(0)).is_file() and mine.owned
+        OutputLock(run, 0).acquire()  # this process again (a notebook calling train twice): shared, not refused
+        with OutputLock(run, 1, "labkit launch") as other_node:  # node 1 writes the same folder beside node 0
+            assert other_node.owned and (run / lock_name(1)).is_file()
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        try:
+            (run / lock_name(2)).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                        "command": "labkit train", "started": "then"}))
+            with pytest.raises(LabkitError, match=rf"being written by another run: labkit train \(pid {holder.pid}"):
+                OutputLock(run, 2).acquire()
+        finally:
+            holder.kill()
+            holder.wait()
+        stale = OutputLock(run, 2).acquire()  # its writer is gone (SIGKILL leaves the file): taken over
+        assert stale.owned and json.loads((run / lock_name(2)).read_text())["pid"] == os.getpid()
+        stale.release()
+    assert sorted(p.name for p in run.iterdir()) == []
+
+
+def test_a_lock_held_by_a_parent_is_shared(tmp_path):
+    """labkit launch holds the node's lock; the `labkit train` it starts (a child) writes under it."""
+    from labkit.io import OutputLock
+
+    with OutputLock(tmp_path, 0, "labkit launch"):
+        code = "import sys; from labkit.io import OutputLock; l = OutputLock(sys.argv[1], 0).acquire(); print(l.owned)"
+        p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=_env())
+        assert p.stdout.strip() == "False", p.stderr
