@@ -134,8 +134,8 @@ def load_newest_good(output: Path, log=print) -> tuple[Path, dict, dict]:
             log(f"--resume: using {ck} (step {meta.get('step')}); skipped {len(skipped)} newer damaged "
                 f"checkpoint(s)")
         return ck, params, meta
-    raise LabkitError(f"--resume: no usable checkpoint under {checkpoint_dir(output)}"
-                      + (f" ({'; '.join(skipped)})" if skipped else ""),
+    raise LabkitError(f"--resume: no usable checkpoint under {checkpoint_dir(output)} ({'; '.join(skipped)})"
+                      if skipped else f"--resume: no complete checkpoint under {checkpoint_dir(output)}",
                       "run without --resume to start over, or point --output at the earlier run")
 
 
