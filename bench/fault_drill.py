@@ -10,7 +10,8 @@ the new one), and nothing else may look complete:
   data      labkit.data.dataset.read_stats(<dst>) passes (stats.json, every file at its recorded size)
   ckpt      every checkpoint folder with a state.json loads (labkit.training.checkpoint.load_full checks the recorded
             size and sha256 of state.ckpt), and the newest is at least the previous run's newest
-A "half-written output" is any kill point after which one of these fails. The goal is zero.
+A "half-written output" is any kill point after which one of these fails. The goal is zero. "killed" counts the runs
+still alive at the kill, "mid-write" those that had a `.tmp-*` folder open at that moment.
 
     python bench/fault_drill.py --points 20 [--only convert data ckpt] [--seed 0] [--json]
 """
@@ -36,7 +37,7 @@ import sys, numpy as np, mindspore as ms
 from labkit.training import checkpoint
 out, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.default_rng(first)
-params = [(f"w{i}", ms.Parameter(ms.Tensor(rng.standard_normal((512, 512)).astype(np.float32)), name=f"w{i}"))
+params = [(f"w{i}", ms.Parameter(ms.Tensor(rng.standard_normal((1024, 1024)).astype(np.float32)), name=f"w{i}"))
           for i in range(8)]
 for step in range(first, last + 1):
     checkpoint.save(out, step, params, {"note": "fault drill"}, keep=2)
@@ -65,6 +66,9 @@ class Drill:
     def argv(self, k: int) -> list[str]: ...
     def watch(self) -> Path: ...  # the folder where a `.tmp-*` entry means writing has started
     def check(self) -> list[str]: ...
+
+    def started(self) -> bool:
+        return _writing(self.watch())
 
 
 class ConvertDrill(Drill):
@@ -164,6 +168,10 @@ class CkptDrill(Drill):
     def watch(self):
         return self.out / "checkpoints"
 
+    def started(self) -> bool:  # a save is short: a finished new step also means writing began
+        return _writing(self.watch()) or any(int(p.name.split("_")[1]) > self.newest
+                                             for p in self.watch().glob("step_*"))
+
     def check(self):
         from labkit.errors import LabkitError
         from labkit.training import checkpoint
@@ -199,7 +207,7 @@ def timed_run(drill: Drill, argv: list[str]) -> tuple[float, float]:
     p = subprocess.Popen(argv, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = None
     while p.poll() is None:
-        if started is None and _writing(drill.watch()):
+        if started is None and drill.started():
             started = time.perf_counter()
         time.sleep(0.002)
     end = time.perf_counter()
@@ -214,16 +222,17 @@ def kill_run(drill: Drill, argv: list[str], delay: float, timeout: float = 600) 
     p = subprocess.Popen(argv, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     t0 = time.perf_counter()
-    while p.poll() is None and not _writing(drill.watch()) and time.perf_counter() - t0 < timeout:
+    while p.poll() is None and not drill.started() and time.perf_counter() - t0 < timeout:
         time.sleep(0.002)
     started = time.perf_counter()
     while p.poll() is None and time.perf_counter() - started < delay:
         time.sleep(0.002)
     finished = p.poll() is not None
+    mid_write = _writing(drill.watch())  # a .tmp-* folder exists at the moment of the kill
     if not finished:
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    return {"killed": not finished, "returncode": p.returncode,
+    return {"killed": not finished, "mid_write": mid_write and not finished, "returncode": p.returncode,
             "wrote_s": round(time.perf_counter() - started, 3) if finished else None}
 
 
@@ -249,6 +258,7 @@ def run_drill(name: str, points: int, seed: int, work: Path, log=print) -> dict:
         log(f"  {name} #{k}: kill {delay * 1000:7.1f} ms into writing -> "
             f"{'killed' if r['killed'] else 'finished'}, {'OK' if not problems else problems}")
     return {"drill": name, "points": points, "killed": sum(r["killed"] for r in rows),
+            "killed_mid_write": sum(r["mid_write"] for r in rows),
             "half_written": sum(bool(r["problems"]) for r in rows), "startup_s": round(warm, 2),
             "write_s": round(min(seen), 3), "leftover_tmp": len(_leftovers(drill)), "rows": rows}
 
@@ -258,11 +268,12 @@ def _leftovers(drill: Drill) -> list[str]:
 
 
 def format_table(results: list[dict]) -> str:
-    head = f"{'command':<10}{'kill points':>12}{'killed':>8}{'half-written':>14}{'write time':>12}{'tmp left':>10}"
+    head = (f"{'command':<10}{'kill points':>12}{'killed':>8}{'mid-write':>11}{'half-written':>14}{'write time':>12}"
+            f"{'tmp left':>10}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r['drill']:<10}{r['points']:>12}{r['killed']:>8}{r['half_written']:>14}"
-                     f"{r['write_s']:>11.2f}s{r['leftover_tmp']:>10}")
+        lines.append(f"{r['drill']:<10}{r['points']:>12}{r['killed']:>8}{r['killed_mid_write']:>11}"
+                     f"{r['half_written']:>14}{r['write_s']:>11.2f}s{r['leftover_tmp']:>10}")
     total = sum(r["half_written"] for r in results)
     lines.append(f"half-written outputs found: {total} (goal: 0); 'tmp left' = hidden .tmp-*/.old-*/.del-* folders "
                  "left by killed writers (nothing reads them)")
