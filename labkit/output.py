@@ -73,10 +73,12 @@ def run(args) -> int:
         except BrokenPipeError:  # e.g. `labkit convert hf2ms --show-mapping | head`
             return 0
         except OSError as e:  # a full disk or a read-only folder met outside labkit.io: still one clear line
+            import errno
+
             from labkit.io import disk_error
 
             better = disk_error(e, getattr(e, "filename", None) or "the output")
-            if better is None:
+            if better is None or e.errno not in (errno.ENOSPC, errno.EROFS):  # EACCES may come from a read
                 raise
             return run_error(args, better, want_json)
         except KeyboardInterrupt:
