@@ -4,7 +4,8 @@ seeded random generator, then look for half-written output.
 Each drill first writes a complete output (the "previous" one) and times an uninterrupted run. Every kill point then
 re-runs the command over that output (`--overwrite`, or the next checkpoint steps), waits until the command starts
 writing (its `.tmp-*` folder appears), sleeps a random share (0 to 110%) of the shortest write time seen so far
-(the machine's load changes it) and sends SIGKILL to the whole process group. Afterwards the output path must hold a complete, verified output (the previous one or
+(`.tmp-*` appearing to its rename into place; for the checkpoint loop, to the process exit; the machine's load
+changes it) and sends SIGKILL to the whole process group. Afterwards the output path must hold a complete, verified output (the previous one or
 the new one), and nothing else may look complete:
   convert   <dst>/conversion.json present, every tensor of model.ckpt with the crc32 the record lists
   data      labkit.data.dataset.read_stats(<dst>) passes (stats.json, every file at its recorded size)
@@ -67,8 +68,10 @@ class Drill:
     def watch(self) -> Path: ...  # the folder where a `.tmp-*` entry means writing has started
     def check(self) -> list[str]: ...
 
+    ignore: frozenset = frozenset()  # .tmp-* folders that were there before the current run
+
     def started(self) -> bool:
-        return _writing(self.watch())
+        return _writing(self.watch(), self.ignore)
 
 
 class ConvertDrill(Drill):
@@ -169,7 +172,7 @@ class CkptDrill(Drill):
         return self.out / "checkpoints"
 
     def started(self) -> bool:  # a save is short: a finished new step also means writing began
-        return _writing(self.watch()) or any(int(p.name.split("_")[1]) > self.newest
+        return _writing(self.watch(), self.ignore) or any(int(p.name.split("_")[1]) > self.newest
                                              for p in self.watch().glob("step_*"))
 
     def check(self):
@@ -197,43 +200,52 @@ CLASSES = {"convert": ConvertDrill, "data": DataDrill, "ckpt": CkptDrill}
 # ---------------------------------------------------------------------------------------- running
 
 
-def _writing(folder: Path) -> bool:
-    return folder.is_dir() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
+def _writing(folder: Path, ignore: frozenset = frozenset()) -> bool:
+    """A new `.tmp-*` folder is open in `folder` (those left by earlier killed runs are in `ignore`)."""
+    return folder.is_dir() and any(p.name.startswith(".tmp-") and p.name not in ignore for p in folder.iterdir())
+
+
+def _watch_writes(drill: Drill, p, delay: float | None, timeout: float = 600) -> dict:
+    """Follow a started process: when writing began and ended (the `.tmp-*` folder gone again, or for a loop of
+    checkpoint saves, the process exit); with `delay`, SIGKILL the process group that long after writing began."""
+    t0 = time.perf_counter()
+    while p.poll() is None and not drill.started() and time.perf_counter() - t0 < timeout:
+        time.sleep(0.002)
+    began, ended, mid_write = time.perf_counter(), None, False
+    while p.poll() is None:
+        now = time.perf_counter()
+        if ended is None and drill.name != "ckpt" and not _writing(drill.watch(), drill.ignore):
+            ended = now
+        if delay is not None and now - began >= delay:
+            mid_write = _writing(drill.watch(), drill.ignore)  # a .tmp-* folder open at the moment of the kill
+            os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    killed = p.poll() is None or p.wait() == -signal.SIGKILL
+    p.wait()
+    ended = ended or time.perf_counter()
+    return {"killed": bool(killed and delay is not None), "mid_write": mid_write, "returncode": p.returncode,
+            "startup_s": began - t0, "wrote_s": None if mid_write else round(ended - began, 3)}
 
 
 def timed_run(drill: Drill, argv: list[str]) -> tuple[float, float]:
     """(seconds until writing started, seconds writing) of an uninterrupted run."""
-    t0 = time.perf_counter()
+    drill.ignore = frozenset(_leftovers(drill))
     p = subprocess.Popen(argv, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    started = None
-    while p.poll() is None:
-        if started is None and drill.started():
-            started = time.perf_counter()
-        time.sleep(0.002)
-    end = time.perf_counter()
+    r = _watch_writes(drill, p, None)
     if p.returncode != 0:
         raise RuntimeError(f"{drill.name}: the uninterrupted run failed ({p.returncode}): {' '.join(argv)}")
-    started = started or end
-    return started - t0, max(end - started, 0.01)
+    return r["startup_s"], max(r["wrote_s"] or 0.0, 0.01)
 
 
-def kill_run(drill: Drill, argv: list[str], delay: float, timeout: float = 600) -> dict:
-    """Start argv, wait for writing to begin, sleep `delay` s, SIGKILL the process group. What happened."""
+def kill_run(drill: Drill, argv: list[str], delay: float) -> dict:
+    """Start argv, wait for writing to begin, SIGKILL the process group `delay` s later. What happened."""
+    drill.ignore = frozenset(_leftovers(drill))
     p = subprocess.Popen(argv, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
-    t0 = time.perf_counter()
-    while p.poll() is None and not drill.started() and time.perf_counter() - t0 < timeout:
-        time.sleep(0.002)
-    started = time.perf_counter()
-    while p.poll() is None and time.perf_counter() - started < delay:
-        time.sleep(0.002)
-    finished = p.poll() is not None
-    mid_write = _writing(drill.watch())  # a .tmp-* folder exists at the moment of the kill
-    if not finished:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    return {"killed": not finished, "mid_write": mid_write and not finished, "returncode": p.returncode,
-            "wrote_s": round(time.perf_counter() - started, 3) if finished else None}
+    r = _watch_writes(drill, p, delay)
+    r.pop("startup_s")
+    return r
 
 
 def run_drill(name: str, points: int, seed: int, work: Path, log=print) -> dict:
@@ -251,7 +263,7 @@ def run_drill(name: str, points: int, seed: int, work: Path, log=print) -> dict:
         # the write time varies with the machine's load: aim within the shortest one seen so far (plus 10%)
         delay = rng.uniform(0, 1.1 * min(seen))
         r = kill_run(drill, drill.argv(k + 1), delay)
-        if r["wrote_s"]:
+        if r["wrote_s"] and not r["killed"]:
             seen.append(r["wrote_s"])
         problems = drill.check()
         rows.append({"point": k, "delay_ms": round(delay * 1000, 1), **r, "problems": problems})
@@ -264,7 +276,9 @@ def run_drill(name: str, points: int, seed: int, work: Path, log=print) -> dict:
 
 
 def _leftovers(drill: Drill) -> list[str]:
-    return sorted(p.name for p in drill.watch().iterdir() if p.name.startswith((".tmp-", ".old-", ".del-")))
+    folder = drill.watch()
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith((".tmp-", ".old-", ".del-"))) \
+        if folder.is_dir() else []
 
 
 def format_table(results: list[dict]) -> str:
