@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from labkit.errors import LabkitError
+from labkit.io import read_yaml_file
 from labkit.paths import lab_path
 
 # --------------------------------------------------------------------------------------------- loading
@@ -139,10 +140,7 @@ def read_yaml(path: str | Path) -> dict:
     path = lab_path(path)
     if not path.is_file():
         raise LabkitError(f"config file {path} not found", "check the path (configs/ resolves from the lab root)")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise LabkitError(f"{path} is not valid YAML: {e}") from None
+    data = read_yaml_file(path)  # not UTF-8, tabs, syntax: one line naming file, line and column
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -55,10 +55,22 @@ def emit(args, payload: dict, text: str | None = None) -> None:
         print(text)
 
 
+def run_error(args, e, want_json: bool) -> int:
+    """Print a LabkitError as `labkit <command>: error: ...` and its fix; the exit status (2, or 1 for failures)."""
+    from labkit.errors import LabkitFailure
+
+    print(f"labkit {args.command}: error: {e.what}", file=sys.stderr)
+    if e.fix:
+        print(f"  fix: {e.fix}", file=sys.stderr)
+    if want_json:
+        emit(args, {"ok": False, "error": e.what, "fix": e.fix})
+    return 1 if isinstance(e, LabkitFailure) else 2
+
+
 def run(args) -> int:
     """Call a parsed command's handler: a LabkitError becomes `labkit <command>: error: ...` and its fix on stderr
     (exit 2, or 1 for a LabkitFailure), never a traceback; with --json the answer is one JSON object either way."""
-    from labkit.errors import LabkitError, LabkitFailure
+    from labkit.errors import LabkitError
 
     want_json = getattr(args, "json", False)
     with (stdout_to_stderr() if want_json else contextlib.nullcontext(sys.stdout)) as out:
@@ -66,15 +78,18 @@ def run(args) -> int:
         try:
             return int(args.func(args) or 0)
         except LabkitError as e:
-            code = 1 if isinstance(e, LabkitFailure) else 2
-            print(f"labkit {args.command}: error: {e.what}", file=sys.stderr)
-            if e.fix:
-                print(f"  fix: {e.fix}", file=sys.stderr)
-            if want_json:
-                emit(args, {"ok": False, "error": e.what, "fix": e.fix})
-            return code
+            return run_error(args, e, want_json)
         except BrokenPipeError:  # e.g. `labkit convert hf2ms --show-mapping | head`
             return 0
+        except OSError as e:  # a full disk or a read-only folder met outside labkit.io: still one clear line
+            import errno
+
+            from labkit.io import disk_error
+
+            better = disk_error(e, getattr(e, "filename", None) or "the output")
+            if better is None or e.errno not in (errno.ENOSPC, errno.EROFS):  # EACCES may come from a read
+                raise
+            return run_error(args, better, want_json)
         except KeyboardInterrupt:
             if want_json:
                 emit(args, {"ok": False, "error": "interrupted"})

@@ -37,3 +37,31 @@ def test_ckpt_writer_matches_mindspore_and_splits_big_tensors(tmp_path, monkeypa
     idx = ckpt_io.ckpt_index(tmp_path / "chunks.ckpt")
     assert len(idx["a"].chunks) == 5 and np.array_equal(ckpt_io.read_ckpt_tensor(tmp_path / "chunks.ckpt", idx["a"]), a)
     assert np.array_equal(ms.load_checkpoint(str(tmp_path / "chunks.ckpt"))["a"].asnumpy(), a)
+
+
+def test_nonfinite_counts_in_every_stored_dtype():
+    from labkit.weights.formats import cast, nonfinite_counts
+
+    f32 = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert nonfinite_counts(cast(f32, "float32", dtype), dtype) == (1, 2), dtype
+        assert nonfinite_counts(cast(f32[[0, 4]], "float32", dtype), dtype) is None, dtype
+
+
+def test_corrupt_safetensors_header_and_bad_json_are_named(tmp_path):
+    import json
+    import struct
+
+    import pytest
+
+    from labkit.errors import LabkitError
+    from labkit.weights.formats import open_hf
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    body = b"{garbage that is not json}"
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(LabkitError, match="model.safetensors has a corrupt safetensors header"):
+        open_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{,}")
+    with pytest.raises(LabkitError, match=r"config.json is not valid JSON"):
+        open_hf(tmp_path)

@@ -98,3 +98,15 @@ def test_fingerprint_follows_content(tmp_path):
     p.write_text("two", encoding="utf-8")
     assert fingerprint([p]) != h1
     assert fingerprint([p]) == fingerprint([tmp_path])
+
+
+def test_truncated_gzip_is_named(tmp_path):
+    import gzip
+
+    from labkit.data.corpus import read_documents
+
+    data = gzip.compress(("\n".join('{"text": "document %d"}' % i for i in range(5000))).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LabkitError, match=r"cut.jsonl.gz is a damaged gzip file .*line\(s\) readable"):
+        read_documents(cut)

@@ -212,3 +212,30 @@ def test_resize_refusals(tmp_path, capfd):
                  str(tmp_path / "q"), "--json"])
     r = json.loads(capfd.readouterr().out)
     assert code == 2 and "disagree" in r["fix"] and not (tmp_path / "q").exists()
+
+
+def test_known_slow_vocabulary_files_match_transformers():
+    """The table that lets a refusal skip importing transformers must say what transformers itself says."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    from labkit.data.tokenizer_files import KNOWN_SLOW
+
+    for name, files in KNOWN_SLOW.items():
+        cls = tokenizer_class_from_name(name)
+        assert [f for k, f in cls.vocab_files_names.items() if k != "tokenizer_file"] == files, name
+
+
+def test_not_sentencepiece_is_named_without_breaking_mindspore(tmp_path):
+    """A tokenizer.model that is an HTML error page is refused by name; the check must not import the Python
+    protobuf module, whose presence breaks mindspore's later import of its own generated protos."""
+    import subprocess
+    import sys
+
+    d = T.make_variant(T.SHIPPED_TOKENIZER, tmp_path / "bad")
+    (d / "tokenizer.model").write_bytes(b"<html>404</html>")
+    code = ("import sys; from labkit.data import tokenizer as T\n"
+            "try:\n    T.load(sys.argv[1], 'mindformers')\nexcept T.LabkitError as e:\n    print(e.what)\n"
+            "import mindspore  # must still import\nprint('mindspore ok')")
+    p = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=600)
+    assert "tokenizer.model is not a SentencePiece model" in p.stdout and "<html>404" in p.stdout, p.stderr[-2000:]
+    assert "mindspore ok" in p.stdout, p.stderr[-2000:]

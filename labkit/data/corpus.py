@@ -104,19 +104,33 @@ def _check_not_binary(path: Path) -> None:
                           "give text files only: UTF-8 .txt or .jsonl, optionally gzipped")
 
 
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes; a damaged gzip stream (truncated, corrupt) is an error naming the file."""
+    import zlib
+
+    no = 0
+    try:
+        with _open_bytes(path) as f:
+            for no, raw in enumerate(f, 1):
+                yield raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise LabkitError(f"{path} is a damaged gzip file ({e}; {no} line(s) readable before the damage)",
+                          "copy or download it again (`gzip -t FILE` checks a file), or leave it out of --corpus"
+                          ) from None
+
+
 def _lines(path: Path, report: ReadReport) -> Iterator[tuple[int, str]]:
     """(1-based line number, decoded line with its newline) for each UTF-8 line; bad lines are skipped and named."""
-    with _open_bytes(path) as f:
-        for no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                report.n_bad_lines += 1
-                report.warn(f"{path}:{no} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); line skipped")
-                continue
-            if no == 1 and line.startswith("\ufeff"):
-                line = line[1:]
-            yield no, line
+    for no, raw in enumerate(_raw_lines(path), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            report.n_bad_lines += 1
+            report.warn(f"{path}:{no} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); line skipped")
+            continue
+        if no == 1 and line.startswith("\ufeff"):
+            line = line[1:]
+        yield no, line
 
 
 def _txt_documents(path: Path, split_on_blank_lines: bool, report: ReadReport) -> Iterator[Document]:

@@ -28,6 +28,7 @@ import shutil
 import time
 from pathlib import Path
 
+from labkit.data.embeddings import EMBED, HEAD, resize_embeddings  # noqa: F401  (vocabulary growth lives there)
 from labkit.errors import LabkitError
 from labkit.paths import DATA, ROOT, lab_path
 from labkit.io import atomic_dir
@@ -36,8 +37,6 @@ from labkit.logs import quiet_mindformers_console
 SHIPPED_TOKENIZER = DATA / "tokenizer"
 IMPLS = ("hf", "hf-slow", "mindformers")
 SPECIAL_NAMES = ("bos", "eos", "pad", "unk")
-EMBED = "model.tok_embeddings.embedding_weight"
-HEAD = "lm_head.weight"
 DECODE_CHECKS = 2000  # texts whose decoded strings are also compared (informational; ids decide `aligned`)
 
 # SentencePiece trainer settings: Llama's own (byte fallback, digits split, whitespace kept, identity normaliser)
@@ -205,16 +204,31 @@ def verify_files(directory) -> dict:
 
 def load(path, impl: str = "hf"):
     """Load a tokenizer directory with one implementation: `hf` (AutoTokenizer, fast where it exists), `hf-slow`
-    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer)."""
+    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer). The files are checked first
+    (labkit.data.tokenizer_files): an implementation that cannot read the directory's family is refused with why."""
+    from labkit.data.tokenizer_files import check_loadable
+
     if impl not in IMPLS:
         raise LabkitError(f"unknown tokenizer implementation '{impl}'", f"use one of {', '.join(IMPLS)}")
     d = lab_path(path)
     if not d.is_dir():
         raise LabkitError(f"tokenizer directory {path} not found",
-                          "point at a directory with tokenizer.model (e.g. data/tokenizer, or train one with "
+                          "point at a tokenizer directory (e.g. data/tokenizer, or train one with "
                           "`labkit tokenizer train`)")
-    if impl != "hf" and not (d / "tokenizer.model").is_file():
-        raise LabkitError(f"{d} has no tokenizer.model, which {impl} needs", "use --*-impl hf, or add tokenizer.model")
+    check_loadable(d, impl)
+    try:
+        tok = _load_checked(d, impl)
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
+        raise LabkitError(f"{impl} cannot load {d}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
+                          "the directory needs tokenizer_config.json (tokenizer_class) and the vocabulary files "
+                          "of that class (tokenizer.json for hf)") from None
+    if not callable(tok):  # AutoTokenizer returns odd values for folders it half understands
+        raise LabkitError(f"{impl} did not build a tokenizer from {d} (got {type(tok).__name__})",
+                          "check tokenizer_config.json's tokenizer_class against the files in the directory")
+    return tok
+
+
+def _load_checked(d: Path, impl: str):
     if impl == "mindformers":
         from labkit.logs import quiet_mindformers
 
@@ -227,12 +241,7 @@ def load(path, impl: str = "hf"):
         return LlamaTokenizer.from_pretrained(str(d))
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(d), use_fast=(impl == "hf"))
-    except (OSError, ValueError) as e:
-        raise LabkitError(f"transformers cannot load {d}: {str(e).splitlines()[0]}",
-                          "the directory needs tokenizer_config.json (tokenizer_class) and tokenizer.model or "
-                          "tokenizer.json") from None
+    return AutoTokenizer.from_pretrained(str(d), use_fast=(impl == "hf"))
 
 
 def vocab_size(tok) -> int:
@@ -325,87 +334,6 @@ def format_compare(r: dict) -> str:
                      f"{e['tokens_a']} vs {e['tokens_b']}")
     lines += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- vocabulary growth
-
-
-def resize_embeddings(model_dir, vocab_size: int, output, *, allow_shrink: bool = False,
-                      overwrite: bool = False) -> dict:
-    """Give a converted checkpoint directory `vocab_size` embedding rows (and untied output rows).
-
-    New rows are the mean of the existing rows (of the embedding and of lm_head respectively): a new token starts
-    as an "average" token, so the model's outputs on existing text do not change and its probability starts near
-    the typical one. (Zero rows would give the new token logit 0, often far above typical logits; random rows add
-    noise.) Shrinking drops the last rows and needs allow_shrink. Other files are copied; vocab_size is updated in
-    model.yaml, mindformers_model.yaml and conversion.json."""
-    import numpy as np
-    import yaml
-
-    src = lab_path(model_dir)
-    ckpt, cfg_path = src / "model.ckpt", src / "model.yaml"
-    for f in (ckpt, cfg_path):
-        if not f.is_file():
-            raise LabkitError(f"{f} not found", "point --model at a converted directory (labkit convert hf2ms)")
-    if vocab_size <= 0:
-        raise LabkitError(f"--vocab-size {vocab_size} must be positive")
-    cfg = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
-    old = int(cfg.get("vocab_size", 0))
-    tied = bool(cfg.get("tie_word_embeddings", False))
-    if vocab_size < old and not allow_shrink:
-        raise LabkitError(f"--vocab-size {vocab_size} is smaller than the model's {old}: rows would be dropped",
-                          "pass --allow-shrink if the last rows are unused, or check the tokenizer")
-    from labkit.logs import quiet_mindformers
-
-    quiet_mindformers()
-    import mindspore as ms
-
-    params = ms.load_checkpoint(str(ckpt))
-    names = [EMBED] + ([] if tied else [HEAD])
-    for n in names:
-        if n not in params:
-            raise LabkitError(f"{ckpt} has no parameter {n}",
-                              "is tie_word_embeddings right in model.yaml?" if n == HEAD else None)
-        if params[n].shape[0] != old:
-            raise LabkitError(f"{ckpt}: {n} has {params[n].shape[0]} rows but model.yaml says vocab_size {old}",
-                              "the checkpoint and model.yaml disagree: fix model.yaml first")
-    resized = {}
-    for n in names:
-        p = params[n]
-        w = p.astype(ms.float32).asnumpy()
-        if vocab_size >= old:
-            new = np.concatenate([w, np.repeat(w.mean(axis=0, keepdims=True), vocab_size - old, axis=0)])
-        else:
-            new = w[:vocab_size]
-        resized[n] = ms.Tensor(new, dtype=p.dtype)
-    with atomic_dir(output, overwrite=overwrite) as tmp:
-        ms.save_checkpoint([{"name": n, "data": resized.get(n, p)} for n, p in params.items()], str(tmp / "model.ckpt"))
-        cfg["vocab_size"] = vocab_size
-        (tmp / "model.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
-        mf = src / "mindformers_model.yaml"
-        if mf.is_file():
-            text = mf.read_text(encoding="utf-8")
-            head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-            block = yaml.safe_load(text) or {}
-            block.setdefault("model", {}).setdefault("model_config", {})["vocab_size"] = vocab_size
-            (tmp / "mindformers_model.yaml").write_text(head + yaml.safe_dump(block, sort_keys=False), encoding="utf-8")
-        rec_path = src / "conversion.json"
-        if rec_path.is_file():
-            rec = json.loads(rec_path.read_text(encoding="utf-8"))
-            if isinstance(rec.get("hf_config"), dict):
-                rec["hf_config"]["vocab_size"] = vocab_size
-            rec.setdefault("resized_embeddings", []).append(
-                dict(old_vocab_size=old, new_vocab_size=vocab_size, init="mean of existing rows", params=names))
-            (tmp / "conversion.json").write_text(json.dumps(rec, indent=1), encoding="utf-8")
-        copied = []
-        for f in sorted(src.iterdir()):
-            if f.name in ("model.ckpt", "model.yaml", "mindformers_model.yaml", "conversion.json"):
-                continue
-            (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
-            copied.append(f.name)
-    return dict(ok=True, model=str(model_dir), output=str(output), old_vocab_size=old, new_vocab_size=vocab_size,
-                rows_added=max(0, vocab_size - old), rows_dropped=max(0, old - vocab_size), params=names,
-                init="mean of existing rows", copied_files=copied)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -115,27 +115,33 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     `kill_rank`/`kill_after_step` are a fault drill: SIGKILL that rank once rank 0 has logged that step.
     `timeout` (seconds) ends the job as failed when it runs longer. Every process is ended before returning,
     also on KeyboardInterrupt (which is then re-raised)."""
+    from labkit.io import OutputLock
+
     log = log or (lambda m: print(m, file=sys.stderr))
     pl = prepare(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
                  master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
                  micro_batch=micro_batch, accum=accum, seed=seed)
-    files = write_files(pl, overwrite)
-    log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in "
-        f"{files.logs}")
-    log(" ".join(files.command))
-    sup, guard = start(pl, files, timeout)
-    watch = Watch(pl, files, sup, progress, kill_rank, kill_after_step, log)
-    outcome = None
+    lock = OutputLock(Path(pl.output), pl.node_rank, "labkit launch").acquire()  # before --overwrite clears anything
     try:
-        outcome = supervise(sup, watch.tick)
+        files = write_files(pl, overwrite)
+        log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in "
+            f"{files.logs}")
+        log(" ".join(files.command))
+        sup, guard = start(pl, files, timeout)
+        watch = Watch(pl, files, sup, progress, kill_rank, kill_after_step, log)
+        outcome = None
+        try:
+            outcome = supervise(sup, watch.tick)
+        finally:
+            watch.close()
+            if outcome is not None and outcome.state == FINISHED and not pl.total == 1:
+                sup.wait_root(30)  # msrun ends by itself once its scheduler is done
+            survivors = sup.stop()
+            if guard is not None:
+                guard.kill()
+                guard.wait()
     finally:
-        watch.close()
-        if outcome is not None and outcome.state == FINISHED and not pl.total == 1:
-            sup.wait_root(30)  # msrun ends by itself once its scheduler is done
-        survivors = sup.stop()
-        if guard is not None:
-            guard.kill()
-            guard.wait()
+        lock.release()
     result = report(pl, files, sup, outcome, watch.steps_seen)
     result.survivors = survivors
     if show_report:

@@ -22,7 +22,7 @@ from labkit.errors import LabkitError, LabkitFailure
 from labkit.training.metrics import read_metrics
 from labkit.model.llama import build_model
 from labkit.logs import quiet_mindformers
-from labkit.io import atomic_write_text
+from labkit.io import OutputLock, atomic_write_text
 from labkit.model.shapes import flops_per_token
 from labkit.config import AMP_LEVELS, parse_recompute
 from labkit.training.schedule import WarmupCosine, lr_at
@@ -198,11 +198,7 @@ class Trainer:
     def _resume(self):
         import mindspore as ms
 
-        ck = checkpoint.latest(self.out)
-        if ck is None:
-            raise LabkitError(f"--resume: no complete checkpoint under {checkpoint.checkpoint_dir(self.out)}",
-                              "run without --resume first, or point --output at the earlier run")
-        params, meta = checkpoint.load_full(ck)
+        ck, params, meta = checkpoint.load_newest_good(self.out, self.log)  # skips damaged ones, saying so
         targets = dict(self.state_params())
         missing = sorted(set(targets) - set(params))
         if missing:
@@ -222,8 +218,8 @@ class Trainer:
             from labkit.parallel.devices import cached_gemm_peak
 
             self.peak_flops = cached_gemm_peak()
+        lock = OutputLock(self.out, 0, "labkit train").acquire() if rank0 else None  # one writer per run folder
         if rank0:
-            self.out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.out / "config.yaml", dump_run_config(self.cfg))
             rewrite_metrics(self.out, self.history)
         bar = _progress(t.steps, self.step, rank0)
@@ -248,6 +244,8 @@ class Trainer:
             bar.close()
             if events is not None:
                 events.close()
+            if lock is not None:
+                lock.release()
         if self.memory.report()["flagged"] and rank0:
             self.log(self.memory.report()["message"])
         summary = self.summary()

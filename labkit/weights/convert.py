@@ -193,7 +193,8 @@ def hf2ms(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
                 parameters=cfg.num_params, source_format=source.format, sharded=source.index is not None,
                 source_dtypes=sorted({t.dtype for t in source.tensors}), dtype=record["dtype"], bytes_read=total,
                 bytes_written=written, seconds=round(end - t0, 3), check_seconds=round(t1 - t0, 3),
-                mb_per_s=round(total / 1e6 / max(end - t1, 1e-9), 1), copied_files=record["copied_files"])
+                mb_per_s=round(total / 1e6 / max(end - t1, 1e-9), 1), copied_files=record["copied_files"],
+                warnings=source.nonfinite_warnings())
 
 
 def _check_inv_freq(name: str, inv: np.ndarray, cfg: ModelConfig) -> None:
@@ -363,7 +364,9 @@ def _summary(r: dict) -> str:
     return (f"{r['direction']}: {r['src']} -> {r['dst']}\n  {r['tensors']} tensors, dtype {r['dtype']}, "
             f"{r.get('bytes_read', r['bytes_written']) / 1e6:.1f} MB in {r['seconds']:.2f} s{check}; "
             f"{r['mb_per_s']} MB/s while streaming" + (f"\n  copied: {', '.join(r['copied_files'])}"
-                                                      if r["copied_files"] else ""))
+                                                      if r["copied_files"] else "")
+            + "".join(f"\n  warning: {w} (copied as is; training or parity from it is meaningless)"
+                      for w in r.get("warnings", [])))
 
 
 def _cli_hf2ms(args) -> int:

@@ -68,9 +68,21 @@ class HFSource:
     index: dict | None
     tensors: list[SrcTensor]
     metadata: dict = field(default_factory=dict)  # safetensors __metadata__ of the first file
+    nonfinite: dict = field(default_factory=dict)  # tensor name -> (NaN count, Inf count), filled by read()
     _bin: tuple | None = None
 
     def read(self, t: SrcTensor) -> np.ndarray:
+        arr = self._read(t)
+        bad = nonfinite_counts(arr, t.dtype)
+        if bad:
+            self.nonfinite[t.name] = bad
+        return arr
+
+    def nonfinite_warnings(self) -> list[str]:
+        """One line per tensor read so far that holds NaN or Inf (such weights make every later number meaningless)."""
+        return [f"{name} holds {n_nan} NaN and {n_inf} Inf value(s)" for name, (n_nan, n_inf) in self.nonfinite.items()]
+
+    def _read(self, t: SrcTensor) -> np.ndarray:
         if self.format == "safetensors":
             with open(self.root / t.file, "rb") as f:
                 f.seek(t.offset)
@@ -85,6 +97,29 @@ class HFSource:
         if tensor.dtype == torch.bfloat16:
             return tensor.view(torch.int16).numpy().view(np.uint16)
         return tensor.numpy()
+
+
+def nonfinite_counts(arr: np.ndarray, dtype: str) -> tuple[int, int] | None:
+    """(NaN count, Inf count) of stored data, or None when every value is finite."""
+    if dtype not in DTYPES:
+        return None
+    f = as_float32(arr, dtype) if dtype == "bfloat16" else arr
+    if np.isfinite(f).all():
+        return None
+    return int(np.isnan(f).sum()), int(np.isinf(f).sum())
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from `path`, or a LabkitError naming the file (`what` says what the file is for)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LabkitError(f"{path} is not valid JSON ({e})",
+                          f"restore {path.name} ({what}) from the model's original files") from None
+    if not isinstance(value, dict):
+        raise LabkitError(f"{path} holds a JSON {type(value).__name__}, not an object",
+                          f"restore {path.name} ({what}) from the model's original files")
+    return value
 
 
 def _torch_load(path: Path) -> dict:
@@ -103,11 +138,22 @@ def _st_header(path: Path) -> tuple[dict, list[SrcTensor]]:
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if n < 2 or 8 + n > size:
             raise LabkitError(f"{path} is not a safetensors file (bad header)", "re-download or re-save the shard")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise LabkitError(f"{path} has a corrupt safetensors header ({str(e)[:120]})",
+                              "re-download or re-save the shard") from None
     meta = header.pop("__metadata__", None) or {}
     out = []
     for name, h in header.items():
-        a, b = h["data_offsets"]
+        try:
+            a, b = h["data_offsets"]
+            h["dtype"], h["shape"]
+        except (TypeError, KeyError, ValueError):
+            raise LabkitError(f"{path} has a corrupt safetensors header (entry '{name}' lacks dtype, shape or "
+                              "data_offsets)", "re-download or re-save the shard") from None
         if 8 + n + b > size:
             raise LabkitError(f"{path} is truncated: '{name}' ends past the end of the file", "re-download the shard")
         out.append(SrcTensor(name, _ST.get(h["dtype"], h["dtype"]), tuple(h["shape"]), path.name, 8 + n + a, b - a))
@@ -120,16 +166,18 @@ def open_hf(src: str | Path) -> HFSource:
     root = Path(src)
     if not (root / "config.json").is_file():
         raise LabkitError(f"{root / 'config.json'} not found", "--src must be an HF model directory with config.json")
-    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    config = read_json_file(root / "config.json", "the model's configuration")
     for fmt, index_name, single in (("safetensors", "model.safetensors.index.json", "model.safetensors"),
                                     ("pytorch_bin", "pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = None
         if (root / index_name).is_file():
-            index = json.loads((root / index_name).read_text(encoding="utf-8"))
-            files = list(dict.fromkeys(index.get("weight_map", {}).values()))
+            index = read_json_file(root / index_name, "the shard index")
+            if not isinstance(index.get("weight_map"), dict):
+                raise LabkitError(f"{root / index_name} has no weight_map object", "restore the index file")
+            files = list(dict.fromkeys(index["weight_map"].values()))
             missing = [f for f in files if not (root / f).is_file()]
             if missing:
-                raise LabkitError(f"{index_name} lists shards that are missing: {', '.join(missing)}",
+                raise LabkitError(f"{root / index_name} lists shards that are missing: {', '.join(missing)}",
                                   "copy every shard into the directory")
         elif (root / single).is_file():
             files = [single]

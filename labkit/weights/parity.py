@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from labkit.config import to_dict
-from labkit.weights.formats import as_float32, ckpt_index, read_ckpt_tensor
+from labkit.weights.formats import as_float32, ckpt_index, nonfinite_counts, read_ckpt_tensor
 from labkit.weights.hf_config import model_config_from_hf, read_model_config
 from labkit.logs import quiet_mindformers as quiet_mindformers
 from labkit.errors import LabkitError, LabkitFailure
@@ -64,6 +64,16 @@ def fixed_tokens(vocab_size: int, seq_len: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, size=seq_len).tolist()
 
 
+def refuse_nonfinite(side: str, counts: dict) -> None:
+    """Stop parity when weights hold NaN or Inf: logits computed from them make any difference meaningless."""
+    bad = {n: c for n, c in counts.items() if c}
+    if bad:
+        listed = "; ".join(f"{n}: {c[0]} NaN, {c[1]} Inf" for n, c in list(bad.items())[:4])
+        raise LabkitFailure(f"{side}: weights hold non-finite values ({listed}{'; ...' if len(bad) > 4 else ''}), "
+                            "so a logit comparison would be meaningless", "repair or re-download the source "
+                            "checkpoint (labkit convert hf2ms lists such tensors as warnings), then convert again")
+
+
 def hf_side(hf_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
     """float32 logits [seq, vocab] and a greedy continuation from the HF model (torch)."""
     import torch
@@ -76,7 +86,10 @@ def hf_side(hf_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
         except (OSError, ValueError) as e:
-            raise LabkitError(f"transformers cannot load {hf_dir}: {e}", "--hf must be an HF model directory") from None
+            raise LabkitError(f"transformers cannot load {hf_dir}: {str(e).strip().splitlines()[0]}",
+                              "--hf must be an HF model directory with a valid config.json and weights") from None
+        refuse_nonfinite(f"--hf {hf_dir}", {n: nonfinite_counts(p.detach().float().numpy(), "float32")
+                                            for n, p in model.named_parameters()})
         model.eval()
         with torch.no_grad():
             seq = torch.tensor([tokens])
@@ -113,10 +126,14 @@ def ms_side(ms_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
         if set(params) != set(index):
             raise LabkitFailure(f"{ckpt} and the mindformers model disagree on: "
                                 + ", ".join(sorted(set(params) ^ set(index))[:8]), "convert again")
+        bad = {}
         for name, e in index.items():
             if tuple(params[name].shape) != e.shape:
                 raise LabkitFailure(f"{name}: checkpoint {list(e.shape)}, model {list(params[name].shape)}")
-            params[name].set_data(ms.Tensor(as_float32(read_ckpt_tensor(ckpt, e), e.dtype)))
+            arr = as_float32(read_ckpt_tensor(ckpt, e), e.dtype)
+            bad[name] = nonfinite_counts(arr, "float32")
+            params[name].set_data(ms.Tensor(arr))
+        refuse_nonfinite(f"--ms {ckpt}", bad)
         model.set_train(False)
         buf = np.zeros((1, window), np.int32)  # filler after the prompt: never visible to a position we read
         buf[0, :n] = tokens
