@@ -138,8 +138,8 @@ def ms_side(ms_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
         buf = np.zeros((1, window), np.int32)  # filler after the prompt: never visible to a position we read
         buf[0, :n] = tokens
 
-        def forward():
-            return model(ms.Tensor(buf))[0].asnumpy().reshape(window, -1)
+        def forward(net=model):
+            return net(ms.Tensor(buf))[0].asnumpy().reshape(window, -1)
 
         out = forward()
         logits = out[:n].copy()
