@@ -115,7 +115,8 @@ def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, o
                               "build it with `labkit data build ...`, fix the path, or set data.dataset: null to "
                               "build the shipped corpus on first use")
     else:
-        dataset = data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer)
+        dataset = data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer,
+                                      val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)
     stats = data.read_stats(dataset)
     if stats.get("seq_len") not in (None, cfg.data.seq_len):
         raise LabkitError(f"dataset {dataset} holds samples of seq_len {stats['seq_len']}, the config asks for "

@@ -24,6 +24,7 @@ from labkit.config import ModelConfig, RunConfig, load
 from labkit.errors import LabkitError
 from labkit.logs import quiet_mindformers
 from labkit.paths import lab_path
+from labkit.weights.convert import run_tokenizer
 
 
 def pick_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -141,16 +142,7 @@ def load_checkpoint(path) -> dict:
         raise LabkitError(f"{ck / 'state.json'} has no run config", "use a checkpoint written by labkit train")
     run = load(RunConfig, meta["config"], f"{ck / 'state.json'}: config")
     return dict(checkpoint=ck, step=meta.get("step"), run=run, model_cfg=run.model_config(),
-                weights=checkpoint.load_weights(ck), tokenizer=tokenizer_dir(run))
-
-
-def tokenizer_dir(run: RunConfig) -> Path:
-    """The tokenizer a run trained with: its dataset's (recorded in stats.json) or data.tokenizer."""
-    if run.data.dataset:
-        stats = lab_path(run.data.dataset) / "stats.json"
-        if stats.is_file():
-            return lab_path(json.loads(stats.read_text(encoding="utf-8")).get("tokenizer", run.data.tokenizer))
-    return lab_path(run.data.tokenizer)
+                weights=checkpoint.load_weights(ck), tokenizer=run_tokenizer(run))
 
 
 def generate(checkpoint, prompt: str, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
