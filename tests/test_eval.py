@@ -1,6 +1,7 @@
 """Did it learn: the validation split, evaluation during training, the CPU sampler and the way back to HF."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from labkit.training.evaluate import rank_batches
 from labkit.training.generate import pick_token
 
 SEQ = 16
+GOLDEN = Path(__file__).parent / "golden" / "tiny_10min_val.json"
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +121,10 @@ def test_pick_token_greedy_topk_and_seeded():
 # ------------------------------------------------------------------------------ training with evaluation
 
 
-def _cfg(out, *sets):
-    return load_run_config("configs/tiny_cpu.yaml", [f"output_dir={out}", "train.peak_tflops=0.1", "train.steps=4",
-                                                     "data.val_fraction=0.02", *sets])
+def _cfg(out, *sets, config="configs/tiny_10min.yaml"):
+    """The first 4 steps of the ten-minute config (its 2% validation split)."""
+    return load_run_config(config, [f"output_dir={out}", "train.peak_tflops=0.1", "train.steps=4",
+                                    "data.val_fraction=0.02", "train.eval_every=0", "train.sample_prompts=[]", *sets])
 
 
 def _rows(out, name="metrics.jsonl"):
@@ -130,7 +133,7 @@ def _rows(out, name="metrics.jsonl"):
 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
-    """4 steps with evaluation every 2 steps and samples."""
+    """4 steps of configs/tiny_10min.yaml with evaluation every 2 steps and samples."""
     from labkit.training.trainer import train
 
     out = tmp_path_factory.mktemp("evaluated")
@@ -154,6 +157,10 @@ def test_evaluation_does_not_change_training(tmp_path, evaluated):
     samples = _rows(evaluated[0], "samples.jsonl")
     assert [s["step"] for s in samples] == [2, 4] and all(len(s["tokens"]) == 6 for s in samples)
     assert evaluated[1]["val_loss"] == last["val_loss"]
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["steps"][:2] == [2, 4]
+    assert [r["val_loss"] for r in with_eval if "val_loss" in r] == pytest.approx(golden["val_loss"][:2], abs=2e-4), \
+        "the ten-minute run's first validation losses changed (regenerate: see tests/golden/make_tiny_10min_val.py)"
 
 
 @pytest.mark.slow
@@ -202,7 +209,8 @@ def test_data_parallel_validation_loss_equals_the_single_card_one(tmp_path):
     sets = ["data.val_fraction=0.02", "train.eval_every=2", "train.peak_tflops=0.1"]
     r = launch("configs/dp2_cpu.yaml", 2, sets, output=tmp_path / "dp", steps=2, progress=False, timeout=900)
     assert r.ok, r.reason
-    train(_cfg(tmp_path / "one", "train.steps=2", "train.micro_batch=4", "train.accum=2", "train.eval_every=2"))
+    train(_cfg(tmp_path / "one", "train.steps=2", "train.micro_batch=4", "train.accum=2", "train.eval_every=2",
+               config="configs/tiny_cpu.yaml"))
     dp, one = _rows(tmp_path / "dp"), _rows(tmp_path / "one")
     assert [x["loss"] for x in dp] == pytest.approx([x["loss"] for x in one], abs=1e-5)
     assert dp[-1]["val_batches"] == one[-1]["val_batches"]

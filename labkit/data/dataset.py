@@ -209,6 +209,15 @@ def _set_stats(d: Path, packed: dict, n_docs: int, sample_len: int, common: dict
     return stats
 
 
+def _pack_split(ids: list[np.ndarray], val_idx: np.ndarray, eos_id: int, sample_len: int) -> tuple[dict, dict | None]:
+    """The training set (every document not held out, in corpus order) and the validation set (or None), packed."""
+    held = set(val_idx.tolist())
+    train = _pack([d for i, d in enumerate(ids) if i not in held], eos_id, sample_len)
+    val = _pack([ids[i] for i in val_idx], eos_id, sample_len) if held else None
+    _check_sets(train, val, sample_len, len(held))
+    return train, val
+
+
 def _check_sets(train: dict, val: dict | None, sample_len: int, n_val_docs: int) -> None:
     n_tokens = int(train["stream"].size)
     if len(train["samples"]) == 0:
@@ -244,12 +253,8 @@ def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int 
     t1 = time.perf_counter()
     ids = _tokenize(docs, tokenizer_dir, workers, progress, tok)
     t_tok = time.perf_counter() - t1
-    is_val = np.zeros(len(ids), bool)
-    is_val[val_idx] = True
     sample_len = seq_len + 1
-    train = _pack([d for d, v in zip(ids, is_val) if not v], tok.eos_token_id, sample_len)
-    val = _pack([ids[i] for i in val_idx], tok.eos_token_id, sample_len) if len(val_idx) else None
-    _check_sets(train, val, sample_len, len(val_idx))
+    train, val = _pack_split(ids, val_idx, tok.eos_token_id, sample_len)
     n_tokens = int(train["stream"].size)
     vocab = max(tok.get_vocab().values()) + 1
     if int(train["stream"].max()) >= vocab:

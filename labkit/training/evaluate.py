@@ -57,3 +57,34 @@ class Evaluator:
             total, count = all_reduce_sum([total, count])
         mean = total / count
         return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0)), "val_batches": int(count)}
+
+
+def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
+    """val_loss / val_ppl of a training checkpoint (a run folder or a checkpoints/step_* folder), single card.
+
+    The validation set is the run's own (`data.val_fraction`); a run trained without one can be measured on the split
+    `val_fraction` would hold out, whose documents that run may have read (`held_out` says False then)."""
+    import mindspore as ms
+
+    from labkit.data import dataset as data
+    from labkit.model.llama import build_model
+    from labkit.training.generate import load_checkpoint
+
+    ck = load_checkpoint(checkpoint)
+    run, frac = ck["run"], val_fraction if val_fraction is not None else ck["run"].data.val_fraction
+    if run.data.dataset:
+        vdir = data.val_dir(run.data.dataset)
+    else:
+        vdir = data.val_dir(data.ensure_dataset(run.data.seq_len, corpus=run.data.corpus,
+                                                tokenizer_dir=run.data.tokenizer, val_fraction=frac,
+                                                val_seed=run.data.val_seed, progress=False))
+    if vdir is None:
+        raise LabkitError(f"{run.data.dataset} has no validation set", "build it with --val-fraction")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    mb = run.train.micro_batch
+    model = build_model(ck["model_cfg"], seq_length=run.data.seq_len, batch_size=mb)
+    ms.load_param_into_net(model, ck["weights"], strict_load=True)
+    model.set_train(True)  # the training-mode model returns the loss the trainer logs
+    out = Evaluator(model, data.read_samples(vdir), mb)()
+    return dict(out, step=ck["step"], checkpoint=str(ck["checkpoint"]), val_fraction=frac,
+                held_out=bool(run.data.val_fraction) and frac == run.data.val_fraction)
