@@ -191,11 +191,15 @@ def test_ms2hf_of_a_training_checkpoint_loads_in_transformers_with_the_same_loss
                  "--json"])
     g = json.loads(capfd.readouterr().out)
     assert code == 0 and len(g["tokens"]) == 12
+    # greedy decoding agrees when every token labkit chose is HF's argmax given the same context: teacher-forced, one
+    # forward over prompt + generated tokens. A model 4 steps from its init has nearly flat logits, so a choice within
+    # float32 noise (1e-5 of the logit scale) of the maximum counts as the argmax.
     with torch.no_grad():
-        hf = model.generate(torch.tensor([g["prompt_ids"]]), max_new_tokens=12, do_sample=False, top_k=None,
-                            top_p=None, temperature=None, pad_token_id=tok.eos_token_id, eos_token_id=None)
-    new = hf[0, len(g["prompt_ids"]):].tolist()  # HF stops after an EOS; labkit generate goes on
-    assert new == g["tokens"][:len(new)] and (len(new) == 12 or new[-1] == tok.eos_token_id)
+        logits = model(torch.tensor([g["prompt_ids"] + g["tokens"]])).logits[0]
+    n, scale = len(g["prompt_ids"]), float(logits.abs().max())
+    gaps = [float(logits[n - 1 + k].max() - logits[n - 1 + k, t]) for k, t in enumerate(g["tokens"])]
+    assert max(gaps) <= 1e-5 * max(scale, 1.0), f"labkit's greedy token is not HF's argmax: gaps {gaps}"
+    assert sum(int(logits[n - 1 + k].argmax()) == t for k, t in enumerate(g["tokens"])) >= 6
     assert g["text"] == tok.decode(g["tokens"])
 
 

@@ -12,6 +12,7 @@ exactly like one without (tests/test_train.py checks it).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -59,11 +60,32 @@ class Evaluator:
         return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0)), "val_batches": int(count)}
 
 
-def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
-    """val_loss / val_ppl of a training checkpoint (a run folder or a checkpoints/step_* folder), single card.
+def validation_set(run, val_fraction: float | None = None) -> tuple:
+    """(validation folder, held_out) for a run config: its own validation set when it has one; otherwise the split
+    `val_fraction` (default 0.02) holds out of the same corpus, whose documents that run may have read."""
+    from labkit.data import dataset as data
+    from labkit.paths import lab_path
 
-    The validation set is the run's own (`data.val_fraction`); a run trained without one can be measured on the split
-    `val_fraction` would hold out, whose documents that run may have read (`held_out` says False then)."""
+    d = run.data
+    own = data.val_dir(d.dataset) if d.dataset else None
+    if own is None and not d.dataset and d.val_fraction:
+        own = data.val_dir(data.ensure_dataset(d.seq_len, corpus=d.corpus, tokenizer_dir=d.tokenizer,
+                                               val_fraction=d.val_fraction, val_seed=d.val_seed, progress=False))
+    if own is not None and val_fraction in (None, d.val_fraction):
+        return own, True
+    stats = data.read_stats(d.dataset) if d.dataset else {}
+    first_use = not d.dataset or data.CACHE.resolve() in Path(d.dataset).resolve().parents
+    corpus = d.corpus if first_use else [lab_path(c) for c in stats["corpus"]]
+    built = data.ensure_dataset(d.seq_len, corpus=corpus, tokenizer_dir=stats.get("tokenizer", d.tokenizer),
+                                text_field=stats.get("text_field", "text"),
+                                split_on_blank_lines=stats.get("split_on_blank_lines", False),
+                                val_fraction=val_fraction or 0.02, val_seed=d.val_seed, progress=False)
+    return data.val_dir(built), False
+
+
+def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
+    """val_loss / val_ppl of a training checkpoint (a run folder or a checkpoints/step_* folder), single card, on
+    `validation_set(run, val_fraction)`; `held_out` says whether training never read those documents."""
     import mindspore as ms
 
     from labkit.data import dataset as data
@@ -71,20 +93,12 @@ def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
     from labkit.training.generate import load_checkpoint
 
     ck = load_checkpoint(checkpoint)
-    run, frac = ck["run"], val_fraction if val_fraction is not None else ck["run"].data.val_fraction
-    if run.data.dataset:
-        vdir = data.val_dir(run.data.dataset)
-    else:
-        vdir = data.val_dir(data.ensure_dataset(run.data.seq_len, corpus=run.data.corpus,
-                                                tokenizer_dir=run.data.tokenizer, val_fraction=frac,
-                                                val_seed=run.data.val_seed, progress=False))
-    if vdir is None:
-        raise LabkitError(f"{run.data.dataset} has no validation set", "build it with --val-fraction")
+    run = ck["run"]
+    vdir, held_out = validation_set(run, val_fraction)
     ms.set_context(mode=ms.GRAPH_MODE)
     mb = run.train.micro_batch
     model = build_model(ck["model_cfg"], seq_length=run.data.seq_len, batch_size=mb)
     ms.load_param_into_net(model, ck["weights"], strict_load=True)
     model.set_train(True)  # the training-mode model returns the loss the trainer logs
     out = Evaluator(model, data.read_samples(vdir), mb)()
-    return dict(out, step=ck["step"], checkpoint=str(ck["checkpoint"]), val_fraction=frac,
-                held_out=bool(run.data.val_fraction) and frac == run.data.val_fraction)
+    return dict(out, step=ck["step"], checkpoint=str(ck["checkpoint"]), validation=str(vdir), held_out=held_out)
