@@ -21,6 +21,7 @@ COMMANDS = {
     "tokenizer": ("labkit.data.tokenizer", "train, compare and resize tokenizers"),
     "data": ("labkit.data.commands", "build and benchmark MindRecord datasets"),
     "train": ("labkit.training.trainer", "train a mindformers Llama with MindSpore"),
+    "generate": ("labkit.training.generate", "continue a prompt with a trained checkpoint (CPU sampler)"),
     "launch": ("labkit.launch.launcher", "start labkit train under msrun on N workers"),
     "plan": ("labkit.parallel.planner", "plan the parallel strategy: memory and time per card"),
 }

@@ -281,9 +281,13 @@ class DataConfig:
     shuffle: bool = True  # seeded global shuffle per epoch
     num_parallel_workers: int = 1  # MindDataset worker threads
     prefetch: int = 16  # MindDataset prefetch (rows per worker)
+    val_fraction: float = 0.0  # share of whole documents held out for validation (first-use build); 0 = none
+    val_seed: int = 0  # seed of the document split into training and validation
 
     def validate(self, where: str = "data"):
         _positive(self, where, "seq_len", "num_parallel_workers", "prefetch")
+        if not 0 <= self.val_fraction < 1:
+            raise LabkitError(f"{where}.val_fraction {self.val_fraction} must be in [0, 1)", "use e.g. 0.02")
 
 
 @dataclass
@@ -316,6 +320,11 @@ class TrainConfig:
     peak_tflops: float | None = None  # device peak for MFU (TFLOP/s); null = measure a GEMM probe at start
     mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
     kernels: Literal["native", "custom"] = "native"  # CPU RMSNorm + SwiGLU: MindSpore's ops, or the lab's C++ operators
+    eval_every: int = 0  # mean loss over the validation set every N steps and at the end (0 = off)
+    sample_prompts: list[str] = field(default_factory=list)  # texts continued at each evaluation (samples.jsonl)
+    sample_tokens: int = 48  # new tokens per sample
+    sample_temperature: float = 0.8  # sampling temperature of the logged samples (0 = greedy)
+    sample_top_k: int = 40  # sample among the k most likely tokens (0 = all)
 
     def validate(self, where: str = "train"):
         _positive(self, where, "steps", "micro_batch", "accum", "global_batch", "lr", "decay_steps",
@@ -325,8 +334,10 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.warmup_steps > self.decay_steps:
             raise LabkitError(f"{where}.warmup_steps {self.warmup_steps} must be between 0 and decay_steps "
                               f"{self.decay_steps}")
-        if self.save_every < 0 or self.grad_clip < 0:
-            raise LabkitError(f"{where}.save_every and grad_clip must be >= 0")
+        if self.save_every < 0 or self.grad_clip < 0 or self.eval_every < 0:
+            raise LabkitError(f"{where}.save_every, grad_clip and eval_every must be >= 0")
+        if self.sample_tokens < 1 or self.sample_temperature < 0 or self.sample_top_k < 0:
+            raise LabkitError(f"{where}.sample_tokens must be >= 1, sample_temperature and sample_top_k >= 0")
 
 
 @dataclass

@@ -17,6 +17,9 @@ def add_cli(parser) -> None:
     b.add_argument("--workers", type=int, default=1, help="tokenising processes")
     b.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl files")
     b.add_argument("--split-on-blank-lines", action="store_true", help=".txt: one document per blank-line block")
+    b.add_argument("--val-fraction", type=float, default=0.0,
+                   help="share of whole documents held out as a validation set in OUTPUT/val (e.g. 0.02; default 0)")
+    b.add_argument("--val-seed", type=int, default=0, help="seed of the document split (default 0)")
     b.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     add_common_flags(b)
     b.set_defaults(func=_cli_build)
@@ -38,7 +41,7 @@ def _cli_build(args) -> int:
 
     r = build_dataset(args.corpus, args.tokenizer, args.seq_len, args.output, workers=args.workers,
                       text_field=args.text_field, split_on_blank_lines=args.split_on_blank_lines,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, val_fraction=args.val_fraction, val_seed=args.val_seed)
     emit(args, r, format_build(r))
     return 1 if r["verdict"] == "fail" else 0
 

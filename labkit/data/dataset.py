@@ -37,6 +37,7 @@ from labkit.data.quality import check_quality
 
 FORMAT = "labkit-dataset/1"
 RECORD = "data.mindrecord"
+VAL = "val"  # the validation set's subdirectory
 CACHE = RUNS / "cache" / "datasets"
 UNK_WARN, UNK_FAIL = 0.001, 0.05  # unk share of all tokens that warns / fails the build
 DOMINANT_WARN, DOMINANT_FAIL = 0.20, 0.50  # share of the most frequent token (EOS excluded)
@@ -153,15 +154,92 @@ def _page_sizes(nbytes: int) -> tuple[int, int]:
     return page, header
 
 
+def split_documents(n_docs: int, val_fraction: float, seed: int = 0) -> np.ndarray:
+    """Indices of the documents held out for validation: round(val_fraction * n_docs) of them (at least one when
+    val_fraction > 0), drawn by `numpy.random.default_rng(seed)`, sorted. Whole documents only: no document is cut
+    between the two sets, so validation text is text the model never trained on."""
+    if not 0 <= val_fraction < 1:
+        raise LabkitError(f"--val-fraction {val_fraction} must be in [0, 1)", "use e.g. 0.02 (2% of the documents)")
+    if val_fraction == 0:
+        return np.zeros(0, dtype=np.int64)
+    n_val = max(1, round(n_docs * val_fraction))
+    if n_val >= n_docs:
+        raise LabkitError(f"--val-fraction {val_fraction} of {n_docs} document(s) leaves none for training",
+                          "give more documents or a smaller --val-fraction")
+    return np.sort(np.random.default_rng(seed).choice(n_docs, n_val, replace=False))
+
+
+def _pack(ids: list[np.ndarray], eos_id: int, sample_len: int) -> dict:
+    """Documents + EOS concatenated and cut into samples of sample_len tokens (the tail that fills none dropped)."""
+    eos = np.array([eos_id], dtype=np.int32)
+    stream = np.concatenate([x for d in ids for x in (d, eos)]) if ids else np.zeros(0, np.int32)
+    n_samples = stream.size // sample_len
+    samples = stream[: n_samples * sample_len].reshape(n_samples, sample_len)
+    return dict(stream=stream, samples=samples, doc_lengths=np.array([len(d) + 1 for d in ids], dtype=np.int32),
+                sample_docs=(samples == eos_id).sum(axis=1).astype(np.int32))
+
+
+def _write_set(d: Path, packed: dict, counts: np.ndarray, progress: bool) -> None:
+    """data.mindrecord and the .npy side files of one packed set."""
+    from mindspore.mindrecord import FileWriter
+    from tqdm.auto import tqdm
+
+    samples = packed["samples"]
+    writer = FileWriter(str(d / RECORD), shard_num=1, overwrite=True)
+    page, header = _page_sizes(samples.nbytes)
+    writer.set_page_size(page)  # the defaults (32 MB pages, 16 MB header) pad a small set to 50 MB
+    writer.set_header_size(header)
+    writer.add_schema({"input_ids": {"type": "int32", "shape": [samples.shape[1]]}}, "packed token ids")
+    step = 1024
+    for i in tqdm(range(0, len(samples), step), desc="write", unit="chunk", file=sys.stderr, leave=False,
+                  disable=not progress or None):
+        writer.write_raw_data([{"input_ids": s} for s in samples[i:i + step]])
+    writer.commit()
+    np.save(d / "doc_lengths.npy", packed["doc_lengths"])
+    np.save(d / "token_counts.npy", counts)
+    np.save(d / "sample_docs.npy", packed["sample_docs"])
+
+
+def _set_stats(d: Path, packed: dict, n_docs: int, sample_len: int, common: dict) -> dict:
+    """stats.json of one set (written last, with the sizes of the files beside it)."""
+    n_tokens, n_samples = int(packed["stream"].size), len(packed["samples"])
+    stats = dict(format=FORMAT, seq_len=sample_len - 1, sample_len=sample_len, n_documents=n_docs,
+                 n_tokens=n_tokens, n_samples=n_samples, n_dropped_tokens=n_tokens - n_samples * sample_len,
+                 **common, files={f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.is_file()})
+    (d / "stats.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return stats
+
+
+def _pack_split(ids: list[np.ndarray], val_idx: np.ndarray, eos_id: int, sample_len: int) -> tuple[dict, dict | None]:
+    """The training set (every document not held out, in corpus order) and the validation set (or None), packed."""
+    held = set(val_idx.tolist())
+    train = _pack([d for i, d in enumerate(ids) if i not in held], eos_id, sample_len)
+    val = _pack([ids[i] for i in val_idx], eos_id, sample_len) if held else None
+    _check_sets(train, val, sample_len, len(held))
+    return train, val
+
+
+def _check_sets(train: dict, val: dict | None, sample_len: int, n_val_docs: int) -> None:
+    n_tokens = int(train["stream"].size)
+    if len(train["samples"]) == 0:
+        raise LabkitError(f"the corpus gives {n_tokens} training tokens, fewer than one sample of seq_len + 1 = "
+                          f"{sample_len}", "give more text or a smaller --seq-len")
+    if val is not None and len(val["samples"]) == 0:
+        raise LabkitError(f"the validation share ({n_val_docs} document(s), {val['stream'].size} tokens) fills no "
+                          f"sample of seq_len + 1 = {sample_len} tokens",
+                          "raise --val-fraction, give more text, use a smaller --seq-len, or --val-fraction 0")
+
+
 def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int = 1, text_field: str = "text",
-                  split_on_blank_lines: bool = False, *, overwrite: bool = False, progress: bool = True) -> dict:
-    """Tokenise `corpus`, pack into samples of seq_len + 1 tokens, write a MindRecord dataset; return the stats."""
+                  split_on_blank_lines: bool = False, *, overwrite: bool = False, progress: bool = True,
+                  val_fraction: float = 0.0, val_seed: int = 0) -> dict:
+    """Tokenise `corpus`, pack into samples of seq_len + 1 tokens, write a MindRecord dataset; return the stats.
+    With val_fraction > 0, a seeded share of whole documents is packed separately into `<output>/val/` (its own
+    MindRecord and stats.json); the training samples then come from the other documents only."""
     from labkit.data.corpus import ReadReport, fingerprint, read_documents
 
-    if seq_len < 1:
-        raise LabkitError(f"--seq-len {seq_len} must be at least 1")
-    if workers < 1:
-        raise LabkitError(f"--workers {workers} must be at least 1")
+    if seq_len < 1 or workers < 1:
+        raise LabkitError(f"--seq-len {seq_len} and --workers {workers} must be at least 1")
     output_dir = Path(output_dir)
     if output_dir.exists() and not overwrite:
         raise LabkitError(f"output directory {output_dir} already exists", "choose another --output or delete it")
@@ -169,64 +247,64 @@ def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int 
     t0 = time.perf_counter()
     report = ReadReport()
     docs = read_documents(corpus, text_field=text_field, split_on_blank_lines=split_on_blank_lines, report=report)
+    val_idx = split_documents(len(docs), val_fraction, val_seed)
     tok = load_fast_tokenizer(tokenizer_dir)
-    eos_id, unk_id = tok.eos_token_id, tok.unk_token_id
-    if eos_id is None:
+    if tok.eos_token_id is None:
         raise LabkitError(f"tokenizer {tokenizer_dir} has no eos_token", "set eos_token in its tokenizer_config.json")
     t1 = time.perf_counter()
     ids = _tokenize(docs, tokenizer_dir, workers, progress, tok)
     t_tok = time.perf_counter() - t1
-    eos = np.array([eos_id], dtype=np.int32)
-    stream = np.concatenate([x for d in ids for x in (d, eos)])
-    doc_lengths = np.array([len(d) + 1 for d in ids], dtype=np.int32)
     sample_len = seq_len + 1
-    n_tokens = int(stream.size)
-    n_samples = n_tokens // sample_len
-    if n_samples == 0:
-        raise LabkitError(f"the corpus gives {n_tokens} tokens, fewer than one sample of seq_len + 1 = {sample_len}",
-                          "give more text or a smaller --seq-len")
+    train, val = _pack_split(ids, val_idx, tok.eos_token_id, sample_len)
+    n_tokens = int(train["stream"].size)
     vocab = max(tok.get_vocab().values()) + 1
-    if int(stream.max()) >= vocab:
-        raise LabkitFailure(f"token id {int(stream.max())} is outside the tokenizer's {vocab} ids")
-    counts = np.bincount(stream, minlength=vocab).astype(np.int64)
-    unk_rate, verdict, warnings = _verdict(n_tokens, counts, unk_id, eos_id, tok, report)
-    samples = stream[: n_samples * sample_len].reshape(n_samples, sample_len)
-    quality = check_quality(ids, samples, tok.all_special_ids)  # duplicates, special-token runs
+    if int(train["stream"].max()) >= vocab:
+        raise LabkitFailure(f"token id {int(train['stream'].max())} is outside the tokenizer's {vocab} ids")
+    counts = np.bincount(train["stream"], minlength=vocab).astype(np.int64)
+    unk_rate, verdict, warnings = _verdict(n_tokens, counts, tok.unk_token_id, tok.eos_token_id, tok, report)
+    quality = check_quality(ids, train["samples"], tok.all_special_ids)  # duplicates, special-token runs
     warnings += quality["warnings"]
     verdict = max(verdict, quality["verdict"], key=("ok", "warn", "fail").index)
-    sample_docs = (samples == eos_id).sum(axis=1).astype(np.int32)
     top = np.argsort(counts)[::-1][:10]
-    from mindspore.mindrecord import FileWriter
-    from tqdm.auto import tqdm
-
+    common = dict(vocab_size=vocab, eos_id=tok.eos_token_id, bos_added=False, eos_between_documents=True,
+                  tokenizer=display_path(lab_path(tokenizer_dir)), tokenizer_sha256=tok_hash,
+                  corpus=[display_path(f) for f in report.files], corpus_sha256=fingerprint(corpus),
+                  text_field=text_field, split_on_blank_lines=split_on_blank_lines,
+                  val_fraction=val_fraction, val_seed=val_seed, n_val_documents=len(val_idx))
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
-        writer = FileWriter(str(tmp / RECORD), shard_num=1, overwrite=True)
-        page, header = _page_sizes(samples.nbytes)
-        writer.set_page_size(page)  # the defaults (32 MB pages, 16 MB header) pad a small set to 50 MB
-        writer.set_header_size(header)
-        writer.add_schema({"input_ids": {"type": "int32", "shape": [sample_len]}}, "packed token ids")
-        step = 1024
-        for i in tqdm(range(0, n_samples, step), desc="write", unit="chunk", file=sys.stderr, leave=False,
-                      disable=not progress or None):
-            writer.write_raw_data([{"input_ids": s} for s in samples[i:i + step]])
-        writer.commit()
-        np.save(tmp / "doc_lengths.npy", doc_lengths)
-        np.save(tmp / "token_counts.npy", counts)
-        np.save(tmp / "sample_docs.npy", sample_docs)
-        seconds = time.perf_counter() - t0
-        stats = dict(
-            format=FORMAT, seq_len=seq_len, sample_len=sample_len, n_documents=len(docs), n_tokens=n_tokens,
-            n_samples=n_samples, n_dropped_tokens=n_tokens - n_samples * sample_len, unk_rate=round(unk_rate, 6),
-            verdict=verdict, warnings=warnings, vocab_size=vocab, eos_id=eos_id, bos_added=False,
-            eos_between_documents=True, quality=quality, top_tokens=[[int(i), tok.convert_ids_to_tokens(int(i)),
-                                                     round(float(counts[i]) / n_tokens, 4)] for i in top],
-            tokenizer=display_path(lab_path(tokenizer_dir)), tokenizer_sha256=tok_hash,
-            corpus=[display_path(f) for f in report.files], corpus_sha256=fingerprint(corpus), text_field=text_field,
-            split_on_blank_lines=split_on_blank_lines, workers=workers, seconds=round(seconds, 2),
+        val_stats = None
+        if val is not None:
+            (tmp / VAL).mkdir()
+            val_counts = np.bincount(val["stream"], minlength=vocab).astype(np.int64)
+            _write_set(tmp / VAL, val, val_counts, progress)
+            val_stats = _set_stats(tmp / VAL, val, len(val_idx), sample_len, dict(common, split="val"))
+        _write_set(tmp, train, counts, progress)
+        stats = _set_stats(tmp, train, len(docs) - len(val_idx), sample_len, dict(
+            common, unk_rate=round(unk_rate, 6), verdict=verdict, warnings=warnings, quality=quality,
+            top_tokens=[[int(i), tok.convert_ids_to_tokens(int(i)), round(float(counts[i]) / n_tokens, 4)]
+                        for i in top], workers=workers, seconds=round(time.perf_counter() - t0, 2),
             tokenize_seconds=round(t_tok, 2), tokens_per_second=round(n_tokens / max(t_tok, 1e-9)),
-            files={f.name: f.stat().st_size for f in sorted(tmp.iterdir())})
-        (tmp / "stats.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return dict(ok=True, output=str(output_dir), **stats)
+            val_samples=len(val["samples"]) if val is not None else 0))
+    return dict(ok=True, output=str(output_dir), **stats, val=val_stats)
+
+
+def val_dir(dataset_dir) -> Path | None:
+    """The validation set beside a dataset (`<dataset>/val`), or None when it was built with val_fraction 0."""
+    d = lab_path(dataset_dir) / VAL
+    return d if (d / "stats.json").is_file() else None
+
+
+def read_samples(dataset_dir) -> np.ndarray:
+    """Every sample of a (small) dataset in file order, int32 [n_samples, seq_len + 1]: the validation set."""
+    import mindspore.dataset as ds
+
+    n = read_stats(dataset_dir)["n_samples"]
+    pipe = ds.MindDataset(str(lab_path(dataset_dir) / RECORD), columns_list=["input_ids"], shuffle=False)
+    rows = [x for (x,) in pipe.create_tuple_iterator(output_numpy=True, num_epochs=1)]
+    if len(rows) != n:
+        raise LabkitFailure(f"{dataset_dir}: read {len(rows)} samples, stats.json says {n}",
+                            "delete the dataset and build it again")
+    return np.stack(rows).astype(np.int32)
 
 
 def read_stats(dataset_dir) -> dict:
@@ -253,7 +331,8 @@ def read_stats(dataset_dir) -> dict:
 
 
 def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field: str = "text",
-                   split_on_blank_lines: bool = False, progress: bool = True) -> Path:
+                   split_on_blank_lines: bool = False, progress: bool = True, val_fraction: float = 0.0,
+                   val_seed: int = 0) -> Path:
     """The dataset for (corpus, tokenizer, seq_len), built on first use under runs/cache/datasets/<hash>/.
 
     Defaults: the shipped data/corpus and data/tokenizer. Safe when several processes call it at once: each builds
@@ -262,8 +341,10 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
     from labkit.data.tokenizer import SHIPPED_TOKENIZER
 
     tokenizer_dir = lab_path(tokenizer_dir) if tokenizer_dir else SHIPPED_TOKENIZER
+    # a validation split is part of the key; without one the key (and the cached set) is what it always was
+    split = f"\0val{val_fraction!r}\0{val_seed}" if val_fraction else ""
     h = hashlib.sha256(f"{FORMAT}\0{fingerprint(corpus)}\0{_tokenizer_hash(tokenizer_dir)}\0{seq_len}\0"
-                       f"{text_field}\0{split_on_blank_lines}".encode()).hexdigest()[:20]
+                       f"{text_field}\0{split_on_blank_lines}{split}".encode()).hexdigest()[:20]
     final = CACHE / h
     if final.exists():
         try:
@@ -277,7 +358,7 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = CACHE / f".build-{h}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     build_dataset(corpus, tokenizer_dir, seq_len, tmp, text_field=text_field, split_on_blank_lines=split_on_blank_lines,
-                  progress=progress)
+                  progress=progress, val_fraction=val_fraction, val_seed=val_seed)
     try:
         os.rename(tmp, final)
     except OSError:  # another process finished first
@@ -306,4 +387,8 @@ def format_build(r: dict) -> str:
     lines = [f"wrote {r['output']}: {r['n_samples']} samples of {r['sample_len']} tokens from {r['n_documents']} "
              f"documents ({r['n_tokens']} tokens, {r['n_dropped_tokens']} dropped), unk_rate {r['unk_rate']:.4%}, "
              f"{r['seconds']} s", f"verdict: {r['verdict']}"]
+    if r.get("val"):
+        v = r["val"]
+        lines.insert(1, f"validation: {v['n_samples']} samples from {v['n_documents']} held-out documents "
+                        f"({v['n_tokens']} tokens) in {r['output']}/{VAL}")
     return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])

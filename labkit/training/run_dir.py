@@ -54,8 +54,8 @@ def dataset_path(cfg) -> Path:
     from labkit.data import dataset as data
 
     if not cfg.data.dataset:
-        return Path(data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus,
-                                        tokenizer_dir=cfg.data.tokenizer)).resolve()
+        return Path(data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer,
+                                        val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)).resolve()
     given = Path(cfg.data.dataset).expanduser()
     path = given if given.is_absolute() else data.lab_path(cfg.data.dataset)
     if not path.is_dir():

@@ -23,6 +23,7 @@ from labkit.training.metrics import read_metrics
 from labkit.model.llama import build_model
 from labkit.logs import quiet_mindformers
 from labkit.io import OutputLock, atomic_write_text
+from labkit.paths import lab_path
 from labkit.model.shapes import flops_per_token
 from labkit.config import AMP_LEVELS, parse_recompute
 from labkit.training.schedule import WarmupCosine, lr_at
@@ -53,7 +54,8 @@ class Trainer:
         if cfg.data.seq_len > mcfg.max_position_embeddings:
             raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
                               f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
-        self.dataset = run_dir.check_dataset(cfg).path
+        checked = run_dir.check_dataset(cfg)
+        self.dataset = checked.path
         if resume:
             run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
         self.amp = AMP_LEVELS[t.amp_level]
@@ -83,6 +85,7 @@ class Trainer:
         if t.amp_level != "O0":
             self.scaler = ms.amp.DynamicLossScaler(t.loss_scale, t.scale_factor, t.scale_window)
         self._compile(net)
+        self.evaluator, self.sampler = self._evaluation(net, checked.stats)
         self.step, self.history, self.overflows = 0, [], 0
         if resume:
             self._resume()
@@ -167,6 +170,44 @@ class Trainer:
 
         self._accumulate, self._step = accumulate, step
 
+    def _evaluation(self, net, stats):
+        """The validation-loss graph (train.eval_every > 0) and, on rank 0, the sampler for train.sample_prompts."""
+        from labkit.data import dataset as data
+        from labkit.training.evaluate import Evaluator
+
+        t = self.cfg.train
+        if not t.eval_every:
+            return None, None
+        vdir = data.val_dir(self.dataset)
+        if vdir is None:
+            raise LabkitError(f"train.eval_every {t.eval_every} but dataset {self.dataset} has no validation set",
+                              "set data.val_fraction (e.g. 0.02) for a first-use build, or build the dataset with "
+                              "`labkit data build --val-fraction 0.02`; or set train.eval_every 0")
+        evaluator = Evaluator(net, data.read_samples(vdir), t.micro_batch, self.dp, self._dp_rank(), self.world.size)
+        sampler = None
+        if t.sample_prompts and self.world.rank == 0:
+            from labkit.training.generate import Sampler
+
+            sampler = (Sampler(self.model_cfg, self.cfg.data.seq_len),
+                       data.load_fast_tokenizer(lab_path(stats["tokenizer"])))
+        return evaluator, sampler
+
+    def evaluate(self) -> dict:
+        """val_loss and val_ppl of the current weights; on rank 0 also writes samples.jsonl."""
+        from labkit.training.generate import sample_texts
+
+        rec = self.evaluator()
+        if self.sampler is not None:
+            t = self.cfg.train
+            sampler, tok = self.sampler
+            sampler.load(dict(self.model.parameters_and_names()))
+            rows = sample_texts(sampler, tok, t.sample_prompts, t.sample_tokens, t.sample_temperature,
+                                t.sample_top_k, t.seed)
+            with open(self.out / "samples.jsonl", "a", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps({"step": self.step, **rec, **row}, ensure_ascii=False) + "\n")
+        return rec
+
     def _accumulators(self):
         """float32 gradient buffers (`self.acc`) when accumulating, else None."""
         import mindspore as ms
@@ -230,6 +271,8 @@ class Trainer:
             while self.step < t.steps:
                 rec = self._train_step(tokens_per_step)
                 self.memory(rec)
+                if self.evaluator is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    rec.update(self.evaluate())
                 if rank0:
                     events.add(rec)
                     with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -318,7 +361,9 @@ class Trainer:
 
     def summary(self) -> dict:
         h = self.history
+        val = [r for r in h if "val_loss" in r]
         return {"ok": True, "output": str(self.out), "steps": self.step,
+                "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
                 "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
                 "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h else None,
                 "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,

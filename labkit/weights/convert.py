@@ -27,9 +27,10 @@ import yaml
 
 from labkit import __version__
 from labkit.weights.formats import (STORE, DTYPES, CkptWriter, HFSource, as_float32, cast, ckpt_index, open_hf, read_ckpt_tensor, st_write)
-from labkit.config import ModelConfig, to_dict
+from labkit.config import ModelConfig, RunConfig, load, to_dict
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
+from labkit.paths import lab_path
 from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table
 from labkit.model.shapes import expected_hf_shapes
 from labkit.weights.hf_config import hf_config_from_model, model_config_from_hf, read_model_config
@@ -257,29 +258,21 @@ def write_converted(dst: str | Path, cfg: ModelConfig, tensors: dict[str, np.nda
 # ------------------------------------------------------------------------------------- ms2hf
 
 
-def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite: bool = False) -> dict:
-    """Write an HF checkpoint (config.json, safetensors, index when sharded, tokenizer files) from a converted dir."""
-    if dtype is not None and dtype not in DTYPES:
-        raise LabkitError(f"--dtype {dtype} is not supported", f"use one of {', '.join(DTYPES)}")
-    t0 = time.perf_counter()
-    src = Path(src)
-    cfg = read_model_config(src)
-    ckpt = src / "model.ckpt"
-    if not ckpt.is_file():
-        raise LabkitError(f"{ckpt} not found", "convert again: the directory is incomplete")
-    index = ckpt_index(ckpt)
+def _ms2hf_plan(src: Path, cfg: ModelConfig, index: dict, dtype: str | None) -> tuple[list[dict], dict | None]:
+    """The HF tensors to write (name, file, dtypes, shapes) and the conversion record, when there is one: its names,
+    order, files and dtypes are kept; shapes come from the checkpoint (it may have been resized)."""
     want = {hf_to_ms(k): (k, v) for k, v in expected_hf_shapes(cfg).items()}
     bad = [f"{n} {list(e.shape)} (expected {list(want[n][1]) if n in want else 'no such parameter'})"
            for n, e in index.items() if n not in want or want[n][1] != e.shape]
     bad += [f"{n} missing" for n in want if n not in index]
     if bad:
-        raise LabkitError(f"{ckpt} does not match {src / 'model.yaml'}: " + "; ".join(bad[:8]),
+        raise LabkitError(f"{src / 'model.ckpt'} does not match {src / 'model.yaml'}: " + "; ".join(bad[:8]),
                           "the checkpoint and model.yaml must describe the same model")
     rec_path = src / "conversion.json"
     rec = json.loads(rec_path.read_text(encoding="utf-8")) if rec_path.is_file() else None
     if rec and not cfg.tie_word_embeddings:  # untied since: lm_head is a parameter now
         rec["tensors"] = [s for s in rec["tensors"] if s["role"] != "tied_copy"]
-    if rec:  # the recorded names, order, files and dtypes; shapes from the checkpoint (it may have been resized)
+    if rec:
         steps = [s for s in rec["tensors"] if s["role"] != "param" or s["ms_name"] in index]
         have = {s["ms_name"] for s in steps}
         steps += [dict(hf_name=want[n][0], ms_name=n, role="param", source_dtype=index[n].dtype,
@@ -291,6 +284,18 @@ def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
         steps = [dict(hf_name=h, ms_name=n, role="param", source_dtype=index[n].dtype, file="model.safetensors")
                  for n, (h, _) in want.items()]
     embed = hf_to_ms("model.embed_tokens.weight")
+    for s in steps:
+        ms_name = embed if s["role"] == "tied_copy" else s.get("ms_name")
+        s["out_dtype"] = dtype or s["source_dtype"]
+        s["out_shape"] = tuple(index[ms_name].shape) if ms_name else tuple(s["shape"])
+    return steps, rec
+
+
+def _write_hf(tmp: Path, src: Path, cfg: ModelConfig, steps: list[dict], rec: dict | None, index: dict,
+              bar) -> tuple[list[str], int, dict, list[str]]:
+    """safetensors file(s), the index when sharded, config.json and the tokenizer files into `tmp`."""
+    ckpt, embed = src / "model.ckpt", hf_to_ms("model.embed_tokens.weight")
+    by_hf = {s["hf_name"]: s for s in steps}
 
     def fetch(hf_name: str, out_dtype: str) -> np.ndarray:
         s = by_hf[hf_name]
@@ -299,39 +304,111 @@ def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
         e = index[embed if s["role"] == "tied_copy" else s["ms_name"]]
         return cast(read_ckpt_tensor(ckpt, e), e.dtype, out_dtype)
 
-    by_hf = {s["hf_name"]: s for s in steps}
-    for s in steps:
-        ms_name = embed if s["role"] == "tied_copy" else s.get("ms_name")
-        s["out_dtype"] = dtype or s["source_dtype"]
-        s["out_shape"] = tuple(index[ms_name].shape) if ms_name else tuple(s["shape"])
     files = list(dict.fromkeys(s["file"] for s in steps))
     total = sum(int(np.prod(s["out_shape"])) * np.dtype(STORE[s["out_dtype"]]).itemsize for s in steps)
     meta = {"format": "pt", **(((rec or {}).get("source") or {}).get("metadata") or {})}
     out_dtypes = sorted({s["out_dtype"] for s in steps})
     crcs: dict[str, int] = {}
+    for f in files:
+        items = [(s["hf_name"], s["out_dtype"], s["out_shape"]) for s in steps if s["file"] == f]
+        crcs.update(st_write(tmp / f, items, fetch, meta, bar))
+    if len(files) > 1:
+        imeta = dict((rec or {}).get("source", {}).get("index_metadata") or {})
+        imeta["total_size"] = total
+        wmap = {s["hf_name"]: s["file"] for s in steps}
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": imeta, "weight_map": wmap}, indent=2), encoding="utf-8")
+    hf_cfg = hf_config_from_model(cfg, (rec or {}).get("hf_config"), out_dtypes[0] if len(out_dtypes) == 1
+                                  else "float32")
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    return files, total, crcs, _copy_side_files(src, tmp)
+
+
+def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite: bool = False) -> dict:
+    """Write an HF checkpoint (config.json, safetensors, index when sharded, tokenizer files) from a converted dir,
+    or from a training checkpoint (a `labkit train` run folder or one of its checkpoints/step_* folders)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise LabkitError(f"--dtype {dtype} is not supported", f"use one of {', '.join(DTYPES)}")
+    src = Path(src)
+    if not (src / "model.yaml").is_file() and is_training_checkpoint(src):
+        return _ms2hf_from_training(src, dst, dtype, overwrite)
+    t0 = time.perf_counter()
+    cfg = read_model_config(src)
+    if not (src / "model.ckpt").is_file():
+        raise LabkitError(f"{src / 'model.ckpt'} not found", "convert again: the directory is incomplete")
+    index = ckpt_index(src / "model.ckpt")
+    steps, rec = _ms2hf_plan(src, cfg, index, dtype)
+    total = sum(int(np.prod(s["out_shape"])) * np.dtype(STORE[s["out_dtype"]]).itemsize for s in steps)
     with atomic_dir(dst, overwrite=overwrite) as tmp, _progress(total, "ms2hf") as bar:
-        for f in files:
-            items = [(s["hf_name"], s["out_dtype"], s["out_shape"]) for s in steps if s["file"] == f]
-            crcs.update(st_write(tmp / f, items, fetch, meta, bar))
-        if len(files) > 1:
-            imeta = dict((rec or {}).get("source", {}).get("index_metadata") or {})
-            imeta["total_size"] = total
-            wmap = {s["hf_name"]: s["file"] for s in steps}
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": imeta, "weight_map": wmap}, indent=2), encoding="utf-8")
-        hf_cfg = hf_config_from_model(cfg, (rec or {}).get("hf_config"), out_dtypes[0] if len(out_dtypes) == 1
-                                      else "float32")
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
-        copied = _copy_side_files(src, tmp)
+        files, total, crcs, copied = _write_hf(tmp, src, cfg, steps, rec, index, bar)
+    by_hf = {s["hf_name"]: s for s in steps}
     exact = [s["hf_name"] for s in steps if "crc32" in s and s["out_dtype"] == s["source_dtype"]
              and tuple(s["shape"]) == s["out_shape"]]
     same = sum(crcs[n] == by_hf[n]["crc32"] for n in exact)
     secs = time.perf_counter() - t0
+    out_dtypes = sorted({s["out_dtype"] for s in steps})
     return dict(ok=True, direction="ms2hf", src=str(src), dst=str(dst), tensors=len(steps), files=files,
                 dtype=out_dtypes[0] if len(out_dtypes) == 1 else "mixed", bytes_written=total,
                 seconds=round(secs, 3), mb_per_s=round(total / 1e6 / max(secs, 1e-9), 1), copied_files=copied,
                 crc_checked=len(exact), crc_matches_source=same,
                 bit_exact_to_source=(same == len(exact) == len(steps)) if rec else None)
+
+
+# ------------------------------------------------------------------------------ training checkpoints
+
+
+def training_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint folder (state.json + state.ckpt, as labkit train writes them) that `path` names: itself, or
+    the newest complete `checkpoints/step_*` of a run folder; None when it is neither."""
+    p = Path(path)
+    if (p / "state.json").is_file() and (p / "state.ckpt").is_file():
+        return p
+    done = [c for c in (p / "checkpoints").glob("step_*") if (c / "state.json").is_file()
+            and (c / "state.ckpt").is_file()] if (p / "checkpoints").is_dir() else []
+    return max(done, key=lambda c: int(c.name.split("_")[1])) if done else None
+
+
+def is_training_checkpoint(path: str | Path) -> bool:
+    return training_checkpoint(path) is not None
+
+
+def run_tokenizer(run: RunConfig) -> Path:
+    """The tokenizer a run trained with: its dataset's (recorded in stats.json) or data.tokenizer."""
+    if run.data.dataset:
+        stats = lab_path(run.data.dataset) / "stats.json"
+        if stats.is_file():
+            return lab_path(json.loads(stats.read_text(encoding="utf-8")).get("tokenizer", run.data.tokenizer))
+    return lab_path(run.data.tokenizer)
+
+
+def _ms2hf_from_training(src: Path, dst, dtype: str | None, overwrite: bool) -> dict:
+    """A training checkpoint -> a converted directory (model weights only, float32, with the run's tokenizer) in a
+    temporary folder -> HF, the same way as any converted directory."""
+    import tempfile
+
+    ck = training_checkpoint(src)
+    meta = json.loads((ck / "state.json").read_text(encoding="utf-8"))
+    if not isinstance(meta.get("config"), dict):
+        raise LabkitError(f"{ck / 'state.json'} holds no run config", "give a checkpoint written by labkit train")
+    run = load(RunConfig, meta["config"], f"{ck / 'state.json'}: config")
+    cfg = run.model_config()
+    import mindspore as ms
+
+    path = ck / "state.ckpt"
+    names = {hf_to_ms(k) for k in expected_hf_shapes(cfg)}
+    # MindSpore's reader: the state also holds integer counters (global_step), which the streamed reader refuses
+    params = ms.load_checkpoint(str(path), choice_func=lambda n: n in names)
+    missing = sorted(names - set(params))
+    if missing:
+        raise LabkitError(f"{path} lacks {missing[:3]} ({len(missing)} in all) for model {cfg.name}",
+                          "give a checkpoint written by labkit train with this model")
+    tensors = {n: p.asnumpy().astype(np.float32) for n, p in params.items()}
+    tok = run_tokenizer(run)
+    Path(dst).resolve().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".ms2hf-", dir=Path(dst).resolve().parent) as tmp:
+        conv = write_converted(Path(tmp) / "converted", cfg, tensors, copy_from=tok if tok.is_dir() else None)
+        r = ms2hf(conv, dst, dtype=dtype, overwrite=overwrite)
+    return dict(r, src=str(src), checkpoint=str(ck), step=meta.get("step"), tokenizer=str(tok))
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -350,7 +427,8 @@ def add_cli(parser) -> None:
     add_common_flags(a)
     a.set_defaults(func=_cli_hf2ms)
     b = sub.add_parser("ms2hf", help="converted MindSpore directory -> HF checkpoint")
-    b.add_argument("--src", required=True, help="directory written by hf2ms (model.ckpt + model.yaml)")
+    b.add_argument("--src", required=True, help="directory written by hf2ms (model.ckpt + model.yaml), or a labkit "
+                                                 "train run folder / checkpoints/step_* folder")
     b.add_argument("--dst", required=True, help="HF output directory (written atomically)")
     b.add_argument("--dtype", choices=DTYPES, help="output dtype (default: the recorded source dtype)")
     b.add_argument("--overwrite", action="store_true", help="replace --dst if it exists")

@@ -1,0 +1,104 @@
+"""Validation loss during training: the mean loss over a held-out set, one compiled forward graph, no gradients.
+
+The validation set (`labkit data build --val-fraction`, `<dataset>/val`) is read into memory once and cut into
+B = n_val // micro_batch batches in file order (a tail shorter than a batch is left out, the same for every
+layout). Under data parallel, rank r evaluates batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch
+counts are added over ranks, so the figure is the one a single card evaluating all B batches gets (up to float
+summation order). Every batch holds micro_batch x seq_len labels, so the mean of batch means is the mean over tokens.
+
+Evaluation reads no training data, updates nothing and draws no random numbers: a run with evaluation trains
+exactly like one without (tests/test_train.py checks it).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from labkit.errors import LabkitError
+
+
+def rank_batches(n_samples: int, micro_batch: int, dp_size: int = 1, dp_rank: int = 0) -> list[slice]:
+    """The validation batches (sample slices) rank `dp_rank` evaluates."""
+    n_batches = n_samples // micro_batch
+    return [slice(b * micro_batch, (b + 1) * micro_batch) for b in range(dp_rank, n_batches, dp_size)]
+
+
+class Evaluator:
+    """`evaluator()` -> {val_loss, val_ppl, val_batches}: the mean loss of `net` (a training-mode model that
+    returns its loss) over `samples` [n, seq_len + 1]."""
+
+    def __init__(self, net, samples: np.ndarray, micro_batch: int, dp_size: int = 1, dp_rank: int = 0,
+                 world_size: int = 1):
+        import mindspore as ms
+
+        n_batches = len(samples) // micro_batch
+        if n_batches < max(dp_size, 1):
+            raise LabkitError(f"the validation set has {len(samples)} samples, fewer than one batch of "
+                              f"{micro_batch} per data-parallel rank ({dp_size})",
+                              "raise data.val_fraction, lower train.micro_batch, or set train.eval_every 0")
+        self.samples, self.world_size, self.n_batches = samples, world_size, n_batches
+        self.batches = rank_batches(len(samples), micro_batch, dp_size, dp_rank)
+
+        @ms.jit
+        def loss(x):
+            return net(x)
+
+        self._loss = loss
+
+    def __call__(self) -> dict:
+        import mindspore as ms
+
+        total = sum(float(self._loss(ms.Tensor(self.samples[b])).asnumpy()) for b in self.batches)
+        count = float(len(self.batches))
+        if self.world_size > 1:
+            from labkit.training.world import all_reduce_sum
+
+            total, count = all_reduce_sum([total, count])
+        mean = total / count
+        return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0)), "val_batches": int(count)}
+
+
+def validation_set(run, val_fraction: float | None = None) -> tuple:
+    """(validation folder, held_out) for a run config: its own validation set when it has one; otherwise the split
+    `val_fraction` (default 0.02) holds out of the same corpus, whose documents that run may have read."""
+    from labkit.data import dataset as data
+    from labkit.paths import lab_path
+
+    d = run.data
+    own = data.val_dir(d.dataset) if d.dataset else None
+    if own is None and not d.dataset and d.val_fraction:
+        own = data.val_dir(data.ensure_dataset(d.seq_len, corpus=d.corpus, tokenizer_dir=d.tokenizer,
+                                               val_fraction=d.val_fraction, val_seed=d.val_seed, progress=False))
+    if own is not None and val_fraction in (None, d.val_fraction):
+        return own, True
+    stats = data.read_stats(d.dataset) if d.dataset else {}
+    first_use = not d.dataset or data.CACHE.resolve() in Path(d.dataset).resolve().parents
+    corpus = d.corpus if first_use else [lab_path(c) for c in stats["corpus"]]
+    built = data.ensure_dataset(d.seq_len, corpus=corpus, tokenizer_dir=stats.get("tokenizer", d.tokenizer),
+                                text_field=stats.get("text_field", "text"),
+                                split_on_blank_lines=stats.get("split_on_blank_lines", False),
+                                val_fraction=val_fraction or 0.02, val_seed=d.val_seed, progress=False)
+    return data.val_dir(built), False
+
+
+def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
+    """val_loss / val_ppl of a training checkpoint (a run folder or a checkpoints/step_* folder), single card, on
+    `validation_set(run, val_fraction)`; `held_out` says whether training never read those documents."""
+    import mindspore as ms
+
+    from labkit.data import dataset as data
+    from labkit.model.llama import build_model
+    from labkit.training.generate import load_checkpoint
+
+    ck = load_checkpoint(checkpoint)
+    run = ck["run"]
+    vdir, held_out = validation_set(run, val_fraction)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    mb = run.train.micro_batch
+    model = build_model(ck["model_cfg"], seq_length=run.data.seq_len, batch_size=mb)
+    ms.load_param_into_net(model, ck["weights"], strict_load=True)
+    model.set_train(True)  # the training-mode model returns the loss the trainer logs
+    out = Evaluator(model, data.read_samples(vdir), mb)()
+    return dict(out, step=ck["step"], checkpoint=str(ck["checkpoint"]), validation=str(vdir), held_out=held_out)
