@@ -89,6 +89,18 @@ def load_full(path: Path) -> tuple[dict, dict]:
     reason (state.json unreadable, state.ckpt missing, of the wrong size or sha256, or unparsable)."""
     import mindspore as ms
 
+    meta = verify(path)
+    state = Path(path) / "state.ckpt"
+    try:
+        params = ms.load_checkpoint(str(state))
+    except (RuntimeError, ValueError, OSError, TypeError) as e:
+        raise LabkitError(f"{state} cannot be read: {str(e).strip().splitlines()[0][:200]}") from None
+    return params, meta
+
+
+def verify(path: Path) -> dict:
+    """The metadata of a full checkpoint whose state.ckpt matches its record (size, and sha256 where recorded),
+    without loading it; a LabkitError naming what is wrong otherwise."""
     path = Path(path)
     meta_file = path / "state.json"
     if path.is_file() or not meta_file.is_file():
@@ -114,11 +126,18 @@ def load_full(path: Path) -> tuple[dict, dict]:
                               + (f", sha256 {str(found['sha256'])[:12]}..." if found["sha256"] else "")
                               + f", but state.json recorded {recorded.get('bytes')} bytes"
                               + (f", sha256 {recorded['sha256'][:12]}..." if recorded.get("sha256") else ""))
-    try:
-        params = ms.load_checkpoint(str(state))
-    except (RuntimeError, ValueError, OSError, TypeError) as e:
-        raise LabkitError(f"{state} cannot be read: {str(e).strip().splitlines()[0][:200]}") from None
-    return params, meta
+    return meta
+
+
+def newest_intact(output: Path) -> Path | None:
+    """The newest checkpoint that passes `verify` (what --resume will load), or None."""
+    for ck in candidates(output):
+        try:
+            verify(ck)
+        except LabkitError:
+            continue
+        return ck
+    return None
 
 
 def candidates(output: Path) -> list[Path]:

@@ -109,7 +109,7 @@ def check_run_folder(output, *, resume: bool, overwrite: bool, steps: int, spell
                               f"continue it with {spelling.resume}, start over with {spelling.overwrite}, or "
                               f"choose another {spelling.output}")
         return RunFolder(output=out, resume=False, start_step=0, checkpoint=None)
-    ck = checkpoint.latest(out)
+    ck = checkpoint.newest_intact(out)  # a damaged newer one is skipped, as --resume will (and says so)
     if ck is None:
         raise LabkitError(f"{spelling.resume}: no complete checkpoint under {checkpoint.checkpoint_dir(out)}",
                           f"{spelling.run_without_resume}, or point {spelling.output} at the earlier run"
