@@ -251,3 +251,19 @@ class OutputLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def read_json_object(path: str | os.PathLike, what: str | None = None) -> dict:
+    """A JSON object from `path`, or a LabkitError naming the file and what it is for: not UTF-8 JSON, or JSON
+    that is not an object (a file that is not what its name says)."""
+    import json
+
+    path = Path(path)
+    fix = f"restore {path.name}{f' ({what})' if what else ''} from the model's original files"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LabkitError(f"{path} is not valid JSON ({e})", fix) from None
+    if not isinstance(value, dict):
+        raise LabkitError(f"{path} holds a JSON {type(value).__name__}, not an object", fix)
+    return value

@@ -11,27 +11,17 @@ Each refusal says which implementation cannot read which family and why, instead
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from labkit.errors import LabkitError
+from labkit.io import read_json_object
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def read_json(path: Path) -> dict:
     """A JSON object from `path` ({} when absent); a file that is not JSON is an error naming it."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LabkitError(f"{path} is not valid JSON ({e})",
-                          f"restore {path.name} from the model's original files") from None
-    if not isinstance(value, dict):
-        raise LabkitError(f"{path} holds a {type(value).__name__}, not a JSON object",
-                          f"restore {path.name} from the model's original files")
-    return value
+    return read_json_object(path) if path.is_file() else {}
 
 
 def sentencepiece_problem(path: Path) -> str | None:

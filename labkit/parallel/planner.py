@@ -1,13 +1,7 @@
 """The parallel-strategy planner: memory and time per device for every dp x mp x pp split, micro-batch,
 accumulation, recomputation and optimizer sharding; the best one as mindformers YAML and an msrun command.
 
-Memory per device (bytes), for the most loaded pipeline stage:
-  weights + gradients + optimizer states  (bytes per parameter from the precision; optimizer states divided by dp
-                                           when sharded, as ZeRO-1 does; one gradient-sized buffer, which with
-                                           accum > 1 is mindformers' `accu_grads` that each micro-step adds into)
-  + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer,
-                                           with the backward tensors MindSpore computes during the forward pass)
-  + framework overhead                     (a stated constant per device preset)
+Memory per device: labkit.parallel.memory (weights, gradients, optimizer states, activations, overhead).
 Time per step: FLOPs (6 N per token + the attention term, recompute adds its forward) over peak x efficiency,
 plus tensor-parallel all-reduces, pipeline sends and the data-parallel gradient all-reduce over the preset's
 bandwidths (not overlapped with compute), plus the pipeline bubble (p - 1) / m.

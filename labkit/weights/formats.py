@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from labkit.errors import LabkitError
+from labkit.io import read_json_object
 
 DTYPES = ("float32", "float16", "bfloat16")
 _ST = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors dtype tags
@@ -109,19 +110,6 @@ def nonfinite_counts(arr: np.ndarray, dtype: str) -> tuple[int, int] | None:
     return int(np.isnan(f).sum()), int(np.isinf(f).sum())
 
 
-def read_json_file(path: Path, what: str) -> dict:
-    """A JSON object from `path`, or a LabkitError naming the file (`what` says what the file is for)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LabkitError(f"{path} is not valid JSON ({e})",
-                          f"restore {path.name} ({what}) from the model's original files") from None
-    if not isinstance(value, dict):
-        raise LabkitError(f"{path} holds a JSON {type(value).__name__}, not an object",
-                          f"restore {path.name} ({what}) from the model's original files")
-    return value
-
-
 def _torch_load(path: Path) -> dict:
     import torch
 
@@ -166,12 +154,12 @@ def open_hf(src: str | Path) -> HFSource:
     root = Path(src)
     if not (root / "config.json").is_file():
         raise LabkitError(f"{root / 'config.json'} not found", "--src must be an HF model directory with config.json")
-    config = read_json_file(root / "config.json", "the model's configuration")
+    config = read_json_object(root / "config.json", "the model's configuration")
     for fmt, index_name, single in (("safetensors", "model.safetensors.index.json", "model.safetensors"),
                                     ("pytorch_bin", "pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = None
         if (root / index_name).is_file():
-            index = read_json_file(root / index_name, "the shard index")
+            index = read_json_object(root / index_name, "the shard index")
             if not isinstance(index.get("weight_map"), dict):
                 raise LabkitError(f"{root / index_name} has no weight_map object", "restore the index file")
             files = list(dict.fromkeys(index["weight_map"].values()))
