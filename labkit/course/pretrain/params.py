@@ -17,8 +17,8 @@ class Param:
 
 
 PARAMETERS = (
-    Param("preset", "str", "tiny", None, "tiny (CPU smoke run), llama2_7b (mindformers' 7B recipe, 8 x 64 GiB) or "
-          "llama2_7b_seed (the seeds' 7B recipe, made to fit)"),
+    Param("preset", "str", "tiny", None, "tiny (CPU smoke run), tiny_10min (~10 min on 2 cores, writes text), llama2_7b "
+          "(mindformers' 7B recipe, 8 x 64 GiB) or llama2_7b_seed (the seeds' 7B recipe, made to fit)"),
     Param("config", "Optional[str]", None, None, "run config YAML to start from; None: the preset's"),
     Param("device_target", "Optional[str]", None, "parallel.device_target", "CPU, GPU or Ascend; None: the config's"),
     Param("devices", "Optional[int]", None, None, "devices (worker processes) over all nodes; None: the preset's"),
@@ -75,6 +75,7 @@ DEFAULTS = {p.name: p.default for p in PARAMETERS}
 # preset -> the run config it starts from, what it changes there, the devices it brings, the planner's device
 PRESETS = {
     "tiny": dict(config="configs/tiny_cpu.yaml", devices=1, overrides={"train.steps": 30, "train.save_every": 10}),
+    "tiny_10min": dict(config="configs/tiny_10min.yaml", devices=1),
     "llama2_7b": dict(config="configs/llama2_7b_mindformers.yaml", devices=8, device="atlas_800t_a2"),
     "llama2_7b_seed": dict(config="configs/llama2_7b_seed.yaml", devices=8, device="atlas_800t_a2"),
 }
