@@ -9,12 +9,14 @@ from labkit.training.tensorboard import EventWriter, event_files, read_scalars
 def test_written_scalars_read_back_with_tensorboards_reader(tmp_path):
     rows = [{"step": s, "loss": 8.0 / s, "lr": 1e-3 * s, "grad_norm": 0.5, "overflow": False} for s in (1, 2, 3)]
     rows.append({"step": 4, "loss": float("nan"), "lr": 4e-3})  # a non-finite value is skipped, not written
+    rows[1].update(val_loss=7.5, val_ppl=math.exp(7.5))  # an evaluation step
     w = EventWriter(tmp_path)
     for r in rows:
         w.add(r)
     w.close()
     got = read_scalars(tmp_path)
-    assert set(got) == {"loss", "lr", "grad_norm"}  # booleans and missing keys are not scalars
+    assert set(got) == {"loss", "lr", "grad_norm", "val_loss", "val_ppl"}  # booleans and missing keys are not scalars
+    assert got["val_loss"] == [(2, pytest.approx(7.5))]
     assert [s for s, _ in got["loss"]] == [1, 2, 3]
     assert [v for _, v in got["loss"]] == pytest.approx([8.0, 4.0, 8.0 / 3], rel=1e-6)  # float32 in the file
     assert [s for s, _ in got["lr"]] == [1, 2, 3, 4]

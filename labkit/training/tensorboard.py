@@ -15,7 +15,7 @@ from pathlib import Path
 # directly"). Choosing the backend here keeps any import order working.
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
-SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "mfu", "rss_mb")
+SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "mfu", "rss_mb", "val_loss", "val_ppl")
 PREFIX = "train/"
 
 
