@@ -109,7 +109,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
         try:
             papermill.execute_notebook(str(nb), str(target), parameters=mine, kernel_name="python3",
                                        cwd=str(NOTEBOOKS), progress_bar=True, log_output=False,
-                                       stdout_file=None, stderr_file=None)
+                                       stdout_file=None, stderr_file=None, kernel_manager_class=ipc_kernel_manager())
         except papermill.PapermillExecutionError as e:
             res.status, res.error, failed = "failed", _describe_failure(e, nb), True
             log(f"✗ {res.error}")
@@ -163,3 +163,15 @@ def _cli(args) -> int:
     for r in failed:
         print(f"labkit run: failed: {r.error}\n  see the executed notebook {r.output}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def ipc_kernel_manager():
+    """Kernels on local IPC sockets instead of TCP ports: the same kernel, and none of ipykernel's warnings about
+    plain-text TCP, which a learner cannot act on."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(transport="ipc", **kwargs)
+
+    return IPCKernelManager
