@@ -144,7 +144,7 @@ def candidates(output: Path) -> list[Path]:
     """Every step_* folder under <output>/checkpoints (complete or not), newest first."""
     root = checkpoint_dir(output)
     found = [p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+    return sorted(found, key=step_of, reverse=True)
 
 
 def load_newest_good(output: Path, log=print) -> tuple[Path, dict, dict]:
