@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/labkit run $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
+	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/

@@ -16,6 +16,7 @@ from labkit.output import run
 COMMANDS = {
     "doctor": ("labkit.doctor.env", "check versions, devices and model registries"),
     "run": ("labkit.course.runner", "execute the notebooks with papermill into runs/"),
+    "student": ("labkit.course.student", "write student copies of the notebooks: solutions emptied, checks kept"),
     "convert": ("labkit.weights.convert", "convert Llama checkpoints HF <-> MindSpore"),
     "parity": ("labkit.weights.parity", "compare HF and MindSpore logits on the same tokens"),
     "tokenizer": ("labkit.data.tokenizer", "train, compare and resize tokenizers"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from labkit.paths import RUNS
@@ -29,6 +30,29 @@ def check(condition: bool, claim: str) -> None:
     if not condition:
         raise AssertionError(f"check failed: {claim}")
     print(f"✓ {claim}")
+
+
+STRICT_EXERCISES_ENV = "LABKIT_STRICT_EXERCISES"
+
+
+def exercise(key: str, verify: Callable[[], bool], hint: str) -> bool:
+    """The 'exercise-check' cells: "correct" or "not yet" with a hint, never a crash for the learner.
+
+    `verify` is called here, so a name the learner has not defined yet (an emptied solution cell in a student
+    copy) reads as "not yet". With LABKIT_STRICT_EXERCISES=1 (`make test`, `labkit run`) a "not yet" fails the
+    notebook: that is how CI proves every shipped solution solves its exercise."""
+    try:
+        ok, why = bool(verify()), ""
+    except Exception as exc:  # the learner's code, or the lack of it: report it, do not crash the check cell
+        ok, why = False, f" ({type(exc).__name__}: {exc})"
+    if ok:
+        print(f"✓ 练习 {key}：正确 / exercise {key}: correct")
+        return True
+    message = f"练习 {key}：还没有 / exercise {key}: not yet{why}. 提示 / hint: {hint}"
+    if os.environ.get(STRICT_EXERCISES_ENV) == "1":
+        raise AssertionError(message)
+    print(f"✗ {message}")
+    return False
 
 
 def record(name: str, value) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from labkit.errors import LabkitError
 from labkit.paths import NOTEBOOKS, RUNS
 from labkit.io import atomic_write_text
+from labkit.course.nb import STRICT_EXERCISES_ENV
 
 FIGURES_ENV = "LABKIT_FIGURES_FILE"
 CALLER_ENV = "LABKIT_CALLER_CWD"  # where `labkit run` was called: notebooks resolve user paths (output_dir) from it
@@ -103,6 +104,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
         figures_file.unlink(missing_ok=True)
         os.environ[FIGURES_ENV] = str(figures_file.resolve())
         os.environ[CALLER_ENV] = caller
+        os.environ.setdefault(STRICT_EXERCISES_ENV, "1")  # the shipped solutions must solve their exercises
         log(f"▶ {nb.name}" + (f"  parameters: {mine}" if mine else ""))
         start = time.time()
         res = NotebookResult(nb.name, str(target), "ok", parameters=mine)
