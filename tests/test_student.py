@@ -74,3 +74,14 @@ def test_student_copies_of_the_course(tmp_path, monkeypatch):
             with contextlib.redirect_stdout(buf):
                 exec("".join(cell["source"]), {"nb": nb_module})
             assert "not yet" in buf.getvalue(), f"{original.name}: {''.join(cell['source'])[:80]}"
+
+
+def test_verdicts_are_kept_once_per_claim(capsys):
+    nb_module.VERDICTS.clear()
+    nb_module.verdict("s1", "x is small", True, "x = 1")
+    nb_module.verdict("s1", "x is small", False, "x = 9")  # the cell re-run: one row, the latest
+    nb_module.verdict("s2", "needs Ascend", None, "no NPU here")
+    table = nb_module.verdict_table()
+    assert list(table["verdict"]) == ["did not hold here", "not testable here"]
+    assert "DID NOT HOLD HERE (x = 9)" in capsys.readouterr().out
+    nb_module.VERDICTS.clear()

@@ -32,6 +32,30 @@ def check(condition: bool, claim: str) -> None:
     print(f"✓ {claim}")
 
 
+VERDICT_WORDS = {True: ("成立", "held here"), False: ("不成立", "did not hold here"),
+                 None: ("此处无法检验", "not testable here")}
+VERDICTS: list[dict] = []  # every verdict of this kernel, in order: the notebook's summary table is made from it
+
+
+def verdict(item: str, claim: str, held: bool | None, figure: str) -> dict:
+    """A seed claim judged from values measured in this run: held (True), did not hold (False), or not testable
+    here (None; `figure` then says why). Printed, kept in VERDICTS for `verdict_table()`, and recorded for
+    `labkit run`'s summary. Assert the `held` you pass against the figures in the same cell."""
+    zh, en = VERDICT_WORDS[held]
+    row = {"seed item": item, "claim": claim, "verdict": en, "figure": figure}
+    VERDICTS[:] = [v for v in VERDICTS if (v["seed item"], v["claim"]) != (item, claim)] + [row]  # re-run cell
+    print(f"[{item}] {claim}: {zh} / {en.upper()} ({figure})")
+    record(f"verdict {item}: {claim}", f"{en} ({figure})")
+    return row
+
+
+def verdict_table():
+    """The verdicts of this kernel as a pandas DataFrame (one row per claim), for the notebook's summary cell."""
+    import pandas as pd
+
+    return pd.DataFrame(VERDICTS, columns=["seed item", "claim", "verdict", "figure"])
+
+
 STRICT_EXERCISES_ENV = "LABKIT_STRICT_EXERCISES"
 
 
