@@ -223,24 +223,6 @@ class ModelConfig:
             h = int(self.ffn_dim_multiplier * h)
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 
-    def param_counts(self) -> dict[str, int]:
-        """Exact parameter counts by part (what mindformers allocates)."""
-        h, f, kv = self.hidden_size, self.ffn_size, self.kv_heads * self.head_dim
-        per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
-        embed = self.vocab_size * h
-        return {
-            "embedding": embed,
-            "layers": per_layer * self.num_layers,
-            "per_layer": per_layer,
-            "final_norm": h,
-            "lm_head": 0 if self.tie_word_embeddings else embed,
-            "total": embed + per_layer * self.num_layers + h + (0 if self.tie_word_embeddings else embed),
-        }
-
-    @property
-    def num_params(self) -> int:
-        return self.param_counts()["total"]
-
 
 MODEL_PRESETS: dict[str, dict] = {
     # learns visibly in a minute on 2 CPU cores; vocab matches the shipped tokenizer

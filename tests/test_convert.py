@@ -15,6 +15,7 @@ from labkit.weights import formats as ckpt_io
 from labkit.weights import convert
 from labkit import logs
 from labkit.model import shapes
+from labkit.model.shapes import num_params
 from labkit.weights import hf_config
 from labkit.weights import mapping
 from labkit.weights import parity
@@ -76,7 +77,7 @@ def test_config_fields_map():
     assert (cfg.num_kv_heads, cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (2, 5e5, 1e-5, True)
     assert (cfg.intermediate_size, cfg.max_position_embeddings, cfg.init_std) == (176, 256, 0.03)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 0)  # first eos; no pad -> 0
-    assert cfg.num_params == 1000 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176 + 2 * 64) + 64
+    assert num_params(cfg) == 1000 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 176 + 2 * 64) + 64
     # HF's own defaults apply to absent keys (not labkit's)
     bare = {k: v for k, v in BASE.items() if k not in ("rms_norm_eps", "rope_theta", "num_key_value_heads")}
     d = hf_config.model_config_from_hf(bare)

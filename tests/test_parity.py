@@ -9,6 +9,7 @@ import pytest
 from labkit.weights import convert
 from labkit.weights import hf_config
 from labkit.weights import parity
+from labkit.model.shapes import num_params
 from labkit.errors import LabkitError, LabkitFailure
 
 
@@ -34,7 +35,7 @@ def test_parity_passes(pair):
     assert r["passed"], r
     assert r["max_abs_diff"] <= 1e-3 and r["argmax_agreement"] == 1.0 and r["generation_match"]
     assert len(r["hf_generated"]) == 6 and r["config_diff"] == {}
-    assert r["params"] == hf_config.read_model_config(ms).num_params
+    assert r["params"] == num_params(hf_config.read_model_config(ms))
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import yaml
 from labkit.parallel import planner as P
 from labkit.parallel import memory
 from labkit.model import shapes
+from labkit.model.shapes import num_params
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import msrun
 from labkit.config import ModelConfig, model_preset
@@ -49,7 +50,7 @@ def test_llama2_7b_count_matches_mindformers(seven_b):
     """The config's count is exact, and the same as the structure mindformers builds (without weights)."""
     from labkit.model.llama import build_model, count_parameters
 
-    assert seven_b.num_params == LLAMA2_7B
+    assert num_params(seven_b) == LLAMA2_7B
     counts = P.stage_params(seven_b)["only"]
     assert counts["params"] == LLAMA2_7B and counts["layers"] == 32
     model = build_model(seven_b, seq_length=4096, no_init=True)
@@ -95,7 +96,7 @@ def test_cpu_graph_terms():
     assert memory.layer_activations(cfg, s, b, recompute="full", **cpu)["stored"] == 2 * sbh  # input, and 2*x from it
     assert memory.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
     assert memory.recompute_mask_elements(s, b, "none", False) == 0 < memory.recompute_mask_elements(s, b, "full", False)
-    assert memory.adamw_early_bytes(cfg.num_params) == 4 * cfg.num_params
+    assert memory.adamw_early_bytes(num_params(cfg)) == 4 * num_params(cfg)
     mem = P.memory_breakdown(cfg, seq_len=s, micro_batch=b, precision="fp32", **cpu)
     assert mem["activations"] * 2**30 / mib == 2 * 14.5 + 34
 
@@ -261,7 +262,7 @@ def test_cli_config_file_and_errors(tmp_path):
                           "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["seq_len"] == 256 and data["params"] == model_preset("tiny", num_layers=6).num_params
+    assert data["seq_len"] == 256 and data["params"] == num_params(model_preset("tiny", num_layers=6))
     cfg.write_text("model:\n  preset: tiny\n  layers: 6\n")
     code, out, _ = _cli("--config", str(cfg), "--devices", "2", "--device-memory", "1", "--json")
     data = json.loads(out)

@@ -5,6 +5,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from labkit.course.runner import FIGURES_ENV, STRICT_EXERCISES_ENV
 from labkit.paths import RUNS
 
 
@@ -56,9 +57,6 @@ def verdict_table():
     return pd.DataFrame(VERDICTS, columns=["seed item", "claim", "verdict", "figure"])
 
 
-STRICT_EXERCISES_ENV = "LABKIT_STRICT_EXERCISES"
-
-
 def exercise(key: str, verify: Callable[[], bool], hint: str) -> bool:
     """The 'exercise-check' cells: "correct" or "not yet" with a hint, never a crash for the learner.
 
@@ -82,8 +80,6 @@ def exercise(key: str, verify: Callable[[], bool], hint: str) -> bool:
 def record(name: str, value) -> None:
     """Record a key figure for `labkit run`'s summary page (a no-op outside `labkit run`)."""
     import json
-
-    from labkit.course.runner import FIGURES_ENV
 
     path = os.environ.get(FIGURES_ENV)
     if not path:

@@ -17,9 +17,9 @@ from pathlib import Path
 from labkit.errors import LabkitError
 from labkit.paths import NOTEBOOKS, RUNS
 from labkit.io import atomic_write_text
-from labkit.course.nb import STRICT_EXERCISES_ENV
 
 FIGURES_ENV = "LABKIT_FIGURES_FILE"
+STRICT_EXERCISES_ENV = "LABKIT_STRICT_EXERCISES"  # 1: an exercise check that says "not yet" fails
 CALLER_ENV = "LABKIT_CALLER_CWD"  # where `labkit run` was called: notebooks resolve user paths (output_dir) from it
 
 

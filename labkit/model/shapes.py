@@ -3,6 +3,8 @@
 Everything here follows from a ModelConfig alone, without building the model."""
 from __future__ import annotations
 
+import math
+
 from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.config import RECOMPUTE
@@ -28,7 +30,7 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> dict[str, float]:
     """Training FLOPs per token. `model` is what MFU counts (6 N over the matmul weights, i.e. without the
     embedding lookup, plus PaLM's attention term 12 L H Q T, no causal halving); `hardware` adds recomputation."""
-    counts = cfg.param_counts()
+    counts = param_counts(cfg)
     n = counts["layers"] + cfg.vocab_size * cfg.hidden_size  # the output layer is a matmul; the lookup is not
     attn_fwd = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len  # QK^T and AV, forward, per token
     model = 6 * n + 3 * attn_fwd
@@ -38,14 +40,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> 
     return {"model": float(model), "hardware": float(model + extra)}
 
 
-def grad_shapes(model_cfg) -> list[tuple[int, ...]]:
-    """Shapes of the Llama's trainable parameters (= its gradients), in mindformers' layout."""
-    h, f, v = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.vocab_size
-    kv = model_cfg.kv_heads * model_cfg.head_dim
-    shapes = [(v, h)]
-    for _ in range(model_cfg.num_layers):
-        shapes += [(h,), (h,), (h, h), (kv, h), (kv, h), (h, h), (f, h), (h, f), (f, h)]
-    shapes.append((h,))
-    if not model_cfg.tie_word_embeddings:
-        shapes.append((v, h))
-    return shapes
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts by part (what mindformers allocates), summed from `expected_hf_shapes`."""
+    sizes = {name: math.prod(shape) for name, shape in expected_hf_shapes(cfg).items()}
+    layers = sum(n for name, n in sizes.items() if name.startswith("model.layers."))
+    counts = {"embedding": sizes["model.embed_tokens.weight"], "layers": layers,
+              "per_layer": layers // cfg.num_layers, "final_norm": sizes["model.norm.weight"],
+              "lm_head": sizes.get("lm_head.weight", 0)}
+    counts["total"] = sum(sizes.values())
+    return counts
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return param_counts(cfg)["total"]
+
+
+def grad_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """Shapes of the Llama's trainable parameters (= its gradients, what data parallel all-reduces)."""
+    return list(expected_hf_shapes(cfg).values())

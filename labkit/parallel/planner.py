@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from labkit.config import RECOMPUTE, ModelConfig
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.errors import LabkitError
-from labkit.model.shapes import flops_per_token
+from labkit.model.shapes import flops_per_token, num_params, param_counts
 from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS, mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
 from labkit.parallel.memory import PRECISIONS, bytes_per_param, memory_breakdown, precision_of, stage_params
@@ -202,13 +202,13 @@ def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> d
     best = next((r for r in strategies if r["fits"]), None)
     bpp = bytes_per_param(st.precision, st.master_weights)
     result = {
-        "model": cfg.name, "params": cfg.num_params, "param_counts": cfg.param_counts(),
+        "model": cfg.name, "params": num_params(cfg), "param_counts": param_counts(cfg),
         "devices": st.devices, "nodes": st.nodes, "device": st.device.name, "device_memory_gib": st.memory_gib,
         "seq_len": st.seq_len, "global_batch": st.global_batch, "tokens_per_step": st.global_batch * st.seq_len,
         "precision": st.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
         "flash_attention": st.flash_attention,
         "assumptions": {
-            "bytes_per_param": bpp, "model_states_gib_unsharded": round(cfg.num_params * bpp["total"] / GIB, 2),
+            "bytes_per_param": bpp, "model_states_gib_unsharded": round(num_params(cfg) * bpp["total"] / GIB, 2),
             "overhead_gib": st.overhead_gib, "fused_norm": st.fused_norm, "fused_silu": st.fused_silu,
             "sequence_parallel": st.sequence_parallel,
             "master_weights": st.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
@@ -231,7 +231,7 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
     usable = mem - result["assumptions"]["overhead_gib"]
     need = max(2, math.ceil(states / usable)) if usable > 0 else None
     hint = (f"; the unsharded model states alone are {states:.1f} GiB "
-            f"({result['assumptions']['bytes_per_param']['total']} bytes x {cfg.num_params:,} parameters), so "
+            f"({result['assumptions']['bytes_per_param']['total']} bytes x {num_params(cfg):,} parameters), so "
             f"plan for at least {need} devices of {mem:g} GiB and shard them (mp, pp, optimizer_shard)"
             if need else "")
     return (f"nothing fits in {mem:g} GiB: the smallest strategy (dp={smallest['dp']} mp={smallest['mp']} "

@@ -32,7 +32,7 @@ from labkit.errors import LabkitError
 from labkit.io import atomic_dir
 from labkit.paths import lab_path
 from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table
-from labkit.model.shapes import expected_hf_shapes
+from labkit.model.shapes import expected_hf_shapes, num_params
 from labkit.weights.hf_config import hf_config_from_model, model_config_from_hf, read_model_config
 from labkit.logs import quiet_mindformers
 
@@ -191,7 +191,7 @@ def hf2ms(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
         written = writer.bytes
     end = time.perf_counter()
     return dict(ok=True, direction="hf2ms", src=str(src), dst=str(dst), tensors=len(steps),
-                parameters=cfg.num_params, source_format=source.format, sharded=source.index is not None,
+                parameters=num_params(cfg), source_format=source.format, sharded=source.index is not None,
                 source_dtypes=sorted({t.dtype for t in source.tensors}), dtype=record["dtype"], bytes_read=total,
                 bytes_written=written, seconds=round(end - t0, 3), check_seconds=round(t1 - t0, 3),
                 mb_per_s=round(total / 1e6 / max(end - t1, 1e-9), 1), copied_files=record["copied_files"],

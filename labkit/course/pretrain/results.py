@@ -6,6 +6,7 @@ import json
 import math
 from labkit.config import load_run_config
 from labkit.errors import LabkitError
+from labkit.model.shapes import num_params
 from labkit.course.pretrain.layouts import estimate
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.course.pretrain.params import SEED_AS_WRITTEN
@@ -46,7 +47,7 @@ def prove_shapes(run: PretrainRun) -> dict:
     built = {n: tuple(p.shape) for n, p in model.parameters_and_names()}
     want = expected_shapes(run.model)
     wrong = {n: (built.get(n), s) for n, s in want.items() if built.get(n) != s}
-    return {"parameters": count_parameters(model), "expected": run.model.num_params, "tensors": len(built),
+    return {"parameters": count_parameters(model), "expected": num_params(run.model), "tensors": len(built),
             "mismatched": wrong, "unexpected": sorted(set(built) - set(want)),
             "seconds": round(time.perf_counter() - start, 2), "from": str(path)}
 
@@ -62,7 +63,7 @@ def checkpoint_shapes(run: PretrainRun) -> dict:
     want = expected_shapes(run.model)
     wrong = {n: (saved.get(n), s) for n, s in want.items() if saved.get(n) != s}
     return {"checkpoint": str(ck), "parameters": sum(math.prod(saved[n]) for n in want if n in saved),
-            "expected": run.model.num_params, "tensors": len(want), "mismatched": wrong}
+            "expected": num_params(run.model), "tensors": len(want), "mismatched": wrong}
 
 
 def summarize(run: PretrainRun, result=None) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, to_dict
 from labkit.errors import LabkitError
+from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
 from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
 from labkit.course.pretrain.layouts import divisors, estimate, recompute_fraction, shortfall, split_batch
@@ -63,7 +64,7 @@ class PretrainRun:
     def describe(self) -> str:
         t, p, s = self.cfg.train, self.cfg.parallel, self.strategy
         m = s["memory_gib"]
-        lines = [f"preset {self.preset}: {self.model.name}, {self.model.num_params:,} parameters; "
+        lines = [f"preset {self.preset}: {self.model.name}, {num_params(self.model):,} parameters; "
                  f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
                  f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
                  f"layout: dp {p.dp} x mp {p.mp} x pp {p.pp} = {p.dp * p.mp * p.pp} devices "
