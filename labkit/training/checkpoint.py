@@ -19,6 +19,8 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
+# the folder layout (checkpoints/step_NNNNNN with state.json + state.ckpt) lives with the other formats
+from labkit.weights.formats import checkpoint_dir, latest, list_checkpoints, step_of  # noqa: F401
 
 KIND = "full"
 HASH_LIMIT = 2 * 2**30  # state.ckpt files above this get a size check only (hashing 80 GB would take minutes)
@@ -34,28 +36,6 @@ def file_digest(path: Path) -> dict:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return {"bytes": size, "sha256": h.hexdigest()}
-
-
-def checkpoint_dir(output: Path) -> Path:
-    return Path(output) / "checkpoints"
-
-
-def step_of(path) -> int:
-    """The step a checkpoint folder holds, from its name `step_000012`."""
-    name = Path(path).name
-    try:
-        return int(name.split("_", 1)[1])
-    except (IndexError, ValueError):
-        raise LabkitError(f"{path} is not a checkpoint folder (its name is not step_NNNNNN)") from None
-
-
-def list_checkpoints(output: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoint_dir(output)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.glob("step_*") if (p / "state.json").is_file() and (p / "state.ckpt").is_file()]
-    return sorted(done, key=step_of)
 
 
 def save(output: Path, step: int, params: list, meta: dict, keep: int) -> Path:
@@ -77,11 +57,6 @@ def save(output: Path, step: int, params: list, meta: dict, keep: int) -> Path:
         old.rename(gone)
         shutil.rmtree(gone, ignore_errors=True)
     return dst
-
-
-def latest(output: Path) -> Path | None:
-    found = list_checkpoints(output)
-    return found[-1] if found else None
 
 
 def load_full(path: Path) -> tuple[dict, dict]:

@@ -26,7 +26,8 @@ import numpy as np
 import yaml
 
 from labkit import __version__
-from labkit.weights.formats import (STORE, DTYPES, CkptWriter, HFSource, as_float32, cast, ckpt_index, open_hf, read_ckpt_tensor, st_write)
+from labkit.weights.formats import (STORE, DTYPES, CkptWriter, HFSource, as_float32, cast, ckpt_index, open_hf, read_ckpt_tensor,
+                                    st_write, training_checkpoint)
 from labkit.config import ModelConfig, RunConfig, load, to_dict
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
@@ -355,17 +356,6 @@ def ms2hf(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
 
 
 # ------------------------------------------------------------------------------ training checkpoints
-
-
-def training_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint folder (state.json + state.ckpt, as labkit train writes them) that `path` names: itself, or
-    the newest complete `checkpoints/step_*` of a run folder; None when it is neither."""
-    p = Path(path)
-    if (p / "state.json").is_file() and (p / "state.ckpt").is_file():
-        return p
-    done = [c for c in (p / "checkpoints").glob("step_*") if (c / "state.json").is_file()
-            and (c / "state.ckpt").is_file()] if (p / "checkpoints").is_dir() else []
-    return max(done, key=lambda c: int(c.name.split("_")[1])) if done else None
 
 
 def is_training_checkpoint(path: str | Path) -> bool:

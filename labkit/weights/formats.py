@@ -342,3 +342,44 @@ def st_write(path: Path, items: list[tuple[str, str, tuple]], fetch, metadata: d
             f.write(view)
             bar.update(len(view))
     return crcs
+
+
+# ---------------------------------------------------------------------------------- training checkpoint folders
+# `labkit train` writes <output>/checkpoints/step_000012/{state.json,state.ckpt} (labkit.training.checkpoint);
+# the layout is here so that conversion (this layer) and training (above it) read it the same way.
+
+
+def checkpoint_dir(output: Path) -> Path:
+    return Path(output) / "checkpoints"
+
+
+def step_of(path) -> int:
+    """The step a checkpoint folder holds, from its name `step_000012`."""
+    name = Path(path).name
+    try:
+        return int(name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        raise LabkitError(f"{path} is not a checkpoint folder (its name is not step_NNNNNN)") from None
+
+
+def list_checkpoints(output: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(output)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step_*") if (p / "state.json").is_file() and (p / "state.ckpt").is_file()]
+    return sorted(done, key=step_of)
+
+
+def latest(output: Path) -> Path | None:
+    found = list_checkpoints(output)
+    return found[-1] if found else None
+
+
+def training_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint folder (state.json + state.ckpt) that `path` names: itself, or the newest complete one of a
+    run folder; None when it is neither."""
+    p = Path(path)
+    if (p / "state.json").is_file() and (p / "state.ckpt").is_file():
+        return p
+    return latest(p)
