@@ -92,3 +92,15 @@ def test_cli_prints_one_json_object_and_fails_with_1(books, tmp_path, capfd):
     assert code == 1 and len(out) == 1
     data = json.loads(out[0])
     assert data["ok"] is False and data["notebooks"][0]["status"] == "failed"
+
+
+def test_reading_time_counts_one_language_and_the_code(tmp_path):
+    from labkit.course.runner import reading_minutes
+
+    md = "中" * 600 + "\n" + "word " * 400  # 600 Chinese characters = 2 min; the English twin is not read twice
+    code = "\n".join(["# a comment is not counted"] + [f"x{i} = {i}" for i in range(30)])  # 30 lines = 2 min
+    book = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": md},
+                      {"cell_type": "code", "metadata": {}, "source": code, "outputs": [], "execution_count": None}]}
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps(book), encoding="utf-8")
+    assert reading_minutes(path) == 4.0
