@@ -7,7 +7,10 @@ Tensor parallel (Megatron-style, as mindformers' `model_parallel` shards a Llama
     gives the full activation instead.
   - attention: the heads are split over workers (wq/wk/wv rows, wo columns); one AllReduce after wo.
 The worker runs under `msrun --worker_num=2 --local_worker_num=2 --master_port=P --log_dir=D --join=True
-labkit/tp_demo.py worker DIR` (CPU, mccl) and compares each block with the single-process result.
+labkit/tp_demo.py worker DIR [MLP.npz]` (CPU, mccl) and compares each block with the single-process result. With
+MLP.npz (arrays x, w1, w3, w2, e.g. one layer of a real model: `save_mlp`) the MLP block uses those instead of random
+weights, and each worker writes what it computed (`mlp_rank<i>.npz`: its partial sum and the all-reduced output),
+so a notebook can compare the workers with its own split done in one process (`load_mlp_outputs`).
 
 Pipeline: `pipeline_schedule` simulates GPipe and 1F1B timelines; the idle share is the bubble (p - 1) / m
 (Narayanan et al. 2021, section 2.2); `plot_pipeline` draws them.
@@ -59,7 +62,29 @@ def _attention(x, wq, wk, wv, wo, heads: int, ops):
     return ops.matmul(ctx, wo.T)
 
 
-def worker(out_dir: str) -> dict:
+def save_mlp(path, x, w1, w3, w2) -> Path:
+    """Write the MLP block's input and weights ([out, in] layout) for `run_tp_demo(mlp=path)`."""
+    import numpy as np
+
+    arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in dict(x=x, w1=w1, w3=w3, w2=w2).items()}
+    if arrays["w1"].shape != arrays["w3"].shape or arrays["w2"].shape[::-1] != arrays["w1"].shape:
+        raise ValueError(f"w1 {arrays['w1'].shape}, w3 {arrays['w3'].shape} must be [ffn, hidden] and w2 [hidden, ffn]")
+    np.savez(path, **arrays)
+    return Path(path)
+
+
+def load_mlp_outputs(out_dir) -> list[dict]:
+    """Per rank, what the worker computed for the MLP: `partial` (its own sum, sent to the AllReduce) and `output`."""
+    import numpy as np
+
+    found = []
+    for f in sorted(Path(out_dir).glob("mlp_rank*.npz"), key=lambda f: int(f.stem[len("mlp_rank"):])):
+        with np.load(f) as z:
+            found.append({k: z[k] for k in z.files})
+    return found
+
+
+def worker(out_dir: str, mlp_file: str | None = None) -> dict:
     """One msrun worker: split both blocks over the workers, combine with collectives, compare."""
     import numpy as np
     import mindspore as ms
@@ -72,23 +97,32 @@ def worker(out_dir: str) -> dict:
     sh = SHAPES
     if sh["ffn"] % n or sh["heads"] % n:
         raise ValueError(f"ffn {sh['ffn']} and heads {sh['heads']} must divide by {n} workers")
-    t = {k: ms.Tensor(v) for k, v in _blocks(sh).items()}
+    blocks = _blocks(sh)
+    blocks["x_mlp"] = blocks["x"]
+    if mlp_file:  # the MLP block from a file (one layer of a real model), the same on every worker
+        with np.load(mlp_file) as z:
+            blocks.update(x_mlp=z["x"], w1=z["w1"], w3=z["w3"], w2=z["w2"])
+    if blocks["w1"].shape[0] % n:
+        raise ValueError(f"the MLP's {blocks['w1'].shape[0]} features must divide by {n} workers")
+    t = {k: ms.Tensor(v) for k, v in blocks.items()}
     all_reduce, all_gather = ops.AllReduce(), ops.AllGather()
 
     # single-process reference: the whole weights on one worker
-    ref_mlp = _mlp(t["x"], t["w1"], t["w3"], t["w2"], ops)
+    ref_mlp = _mlp(t["x_mlp"], t["w1"], t["w3"], t["w2"], ops)
     ref_attn = _attention(t["x"], t["wq"], t["wk"], t["wv"], t["wo"], sh["heads"], ops)
 
-    fs = sh["ffn"] // n
+    fs = blocks["w1"].shape[0] // n
     rows = slice(rank * fs, (rank + 1) * fs)
     w1, w3 = t["w1"][rows], t["w3"][rows]  # column parallel: this worker's output features
     w2 = t["w2"][:, rows]  # row parallel: the matching input features
-    tp_mlp = all_reduce(_mlp(t["x"], w1, w3, w2, ops))  # partial sums -> full output
+    partial = _mlp(t["x_mlp"], w1, w3, w2, ops)  # this worker's share of the sum
+    tp_mlp = all_reduce(partial)  # partial sums -> full output
+    np.savez(Path(out_dir, f"mlp_rank{rank}.npz"), partial=partial.asnumpy(), output=tp_mlp.asnumpy())
 
-    gate_local = ops.matmul(t["x"], w1.T)  # column-parallel layer, then AllGather the features
+    gate_local = ops.matmul(t["x_mlp"], w1.T)  # column-parallel layer, then AllGather the features
     gathered = all_gather(ops.transpose(gate_local, (2, 0, 1)))  # gathers along axis 0: features first
     tp_gate = ops.transpose(gathered, (1, 2, 0))
-    ref_gate = ops.matmul(t["x"], t["w1"].T)
+    ref_gate = ops.matmul(t["x_mlp"], t["w1"].T)
 
     hs = sh["heads"] // n
     dh = sh["hidden"] // sh["heads"]
@@ -96,7 +130,7 @@ def worker(out_dir: str) -> dict:
     tp_attn = all_reduce(_attention(t["x"], t["wq"][cols], t["wk"][cols], t["wv"][cols], t["wo"][:, cols], hs, ops))
 
     diff = lambda a, b: float(np.max(np.abs(a.asnumpy() - b.asnumpy())))  # noqa: E731
-    act_bytes = sh["batch"] * sh["seq"] * sh["hidden"] * 4
+    act_bytes = int(np.prod(ref_mlp.shape)) * 4
     result = {
         "rank": rank, "workers": n, "shapes": sh,
         "max_abs_diff": {"mlp": diff(tp_mlp, ref_mlp), "attention": diff(tp_attn, ref_attn),
@@ -114,8 +148,10 @@ def worker(out_dir: str) -> dict:
 # ---------------------------------------------------------------------------------------- the launcher
 
 
-def run_tp_demo(workers: int = 2, *, output_dir: str | os.PathLike | None = None, timeout: float = 300) -> dict:
+def run_tp_demo(workers: int = 2, *, output_dir: str | os.PathLike | None = None, timeout: float = 300,
+                mlp: str | os.PathLike | None = None) -> dict:
     """Start the worker under msrun on CPU and return the max abs difference per block (worst over workers).
+    `mlp`: an .npz from `save_mlp` for the MLP block (default: random weights of SHAPES).
 
     msrun puts each worker in its own session, so on a timeout or a failed worker the launcher's supervisor ends
     msrun's process group and every worker's session: nothing is left running."""
@@ -132,12 +168,12 @@ def run_tp_demo(workers: int = 2, *, output_dir: str | os.PathLike | None = None
     out = Path(output_dir) if output_dir else RUNS / "tp_demo" / time.strftime("%Y%m%d-%H%M%S")
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("rank_*.json"):
+    for old in [*out.glob("rank_*.json"), *out.glob("mlp_rank*.npz")]:
         old.unlink()
     env = python_on_path({k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, logs / ".bin")
     env["GLOG_v"] = "3"
     cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs, head=msrun_head())
-    cmd += [str(Path(__file__).resolve()), "worker", str(out)]
+    cmd += [str(Path(__file__).resolve()), "worker", str(out)] + ([str(Path(mlp).resolve())] if mlp else [])
     t0 = time.time()
     with open(logs / "msrun.log", "w", encoding="utf-8") as sink:
         root = subprocess.Popen(cmd, cwd=out, env=env, stdin=subprocess.DEVNULL, stdout=sink,
@@ -263,8 +299,9 @@ def _main(argv: list[str]) -> int:
                                  "labkit.course.tp_demo.run_tp_demo()")
     ap.add_argument("role", choices=["worker"], help="run as one msrun worker")
     ap.add_argument("out", help="directory for rank_<i>.json")
+    ap.add_argument("mlp", nargs="?", help="optional .npz with the MLP block's x, w1, w3, w2 (save_mlp)")
     args = ap.parse_args(argv)
-    worker(args.out)
+    worker(args.out, args.mlp)
     return 0
 
 

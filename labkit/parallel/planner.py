@@ -9,6 +9,7 @@ The same code models the CPU (precision fp32, no flash attention): bench/plan_ca
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -196,6 +197,19 @@ def strategy_row(cfg: ModelConfig, st: Setting, cand: dict) -> dict:
         row["why_not"] = (f"needs {mem['total']:.1f} GiB > {st.memory_gib:g} GiB: model states {states:.1f} + "
                           f"activations {mem['activations']:.1f} + overhead {st.overhead_gib:.1f}")
     return row
+
+
+def layer_line(cfg: ModelConfig, result: dict, row: dict) -> dict[str, float]:
+    """Bytes one decoder layer adds to `row`'s memory per device, by part: the planner's figure for the model minus
+    its figure for the same model with one layer fewer (same strategy and assumptions, not rounded). With pp > 1
+    this is the layer's share on the most loaded stage."""
+    a = result["assumptions"]
+    kw = dict(seq_len=result["seq_len"], precision=result["precision"], master_weights=a["master_weights"],
+              flash_attention=result["flash_attention"], sequence_parallel=a["sequence_parallel"] and row["mp"] > 1,
+              fused_norm=a["fused_norm"], fused_silu=a["fused_silu"], **{k: row[k] for k in CONSTRAINT_KEYS})
+    whole = memory_breakdown(cfg, **kw)
+    fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), **kw)
+    return {k: (whole[k] - fewer[k]) * GIB for k in ("weights", "gradients", "optimizer", "activations")}
 
 
 def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> dict:
