@@ -1,6 +1,7 @@
 """The planner: exact parameter counts (checked against mindformers), the memory and time model against their
 sources, the search and its constraints, the CLI's JSON, the mindformers YAML it writes (checked offline by
-mindformers itself), and the CPU calibration (memory differences within 15%)."""
+mindformers itself). The CPU calibration (memory differences within the bench's target) is measured and asserted once,
+by notebook 06 under nbval (it caches runs/bench/plan_calibration.json); tests/test_calibration.py tests the cache."""
 from __future__ import annotations
 
 import json
@@ -276,22 +277,3 @@ def test_human_table():
     code, out, _ = _cli("--preset", "llama2_7b", "--devices", "8", "--device-memory", "64", "--top", "5")
     assert code == 0 and "tok/s/dev" in out and "msrun --worker_num=8" in out and "more (--top N" in out
 
-
-@pytest.mark.slow
-def test_calibration_memory_differences_within_target(tmp_path):
-    """bench/plan_calibration.py --ci: 5 tiny training configurations, each in its own process; the planner's
-    predicted memory differences match MindSpore's measured memory-pool differences within 15%."""
-    out = tmp_path / "plan_calibration.json"  # its own file: runs/bench/ is notebook 06's cache
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_calibration.py"), "--ci", "--json",
-                           "--out", str(out)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)  # exactly one JSON object, the same as the file it wrote
-    assert data == json.loads(out.read_text())
-    assert len(data["configs"]) >= 5 and len(data["differences"]) >= 4
-    for d in data["differences"]:
-        assert abs(d["pool_mb"]["error"]) <= P_TARGET, d
-    assert data["summary"]["pool_meets_target"]
-    print(proc.stderr[-2500:])  # the table, for the test log
-
-
-P_TARGET = 0.15
