@@ -1,10 +1,12 @@
 """Two nodes for real: two network namespaces joined by a veth pair stand for two machines, each running
 `labkit launch --nodes 2 --node-rank R --workers 1` with node 0's address as master, into one shared output folder.
 
-Checked: their losses equal one node with 2 workers and one card with the same global batch; each node keeps its
-own logs and launch file; a node that never starts, or dies mid-run, ends both sides within a bounded time with no
-process left behind and a report that names it; the shared folder resumes. Skipped where namespaces cannot be made
-(not root, or no CAP_SYS_ADMIN in a container)."""
+Checked: a node that never starts, or dies mid-run, ends both sides within a bounded time with no process left
+behind and a report that names it; the killed run resumes from the shared folder through notebook 07, run by
+papermill once per node as the README's cluster recipe says (`-f params.yaml -p node_rank R`), and the two
+notebooks make one run: each node keeps its own logs and launch file, the run-level files are node 0's, written
+once, and the losses equal one node with 2 workers and one card with the same global batch. Skipped where
+namespaces cannot be made (not root, or no CAP_SYS_ADMIN in a container)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labkit.launch import launcher
+from labkit.course import pretrain
 from labkit.paths import ROOT
 
 pytestmark = pytest.mark.slow
@@ -70,13 +72,48 @@ def in_namespace(ns: str) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+def node_env() -> dict:
+    return {**os.environ, "GLOG_v": "3", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def node(netns, rank: int, out: Path, port: int, *extra: str) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", netns["ns"][rank], sys.executable, "-m", "labkit", "launch", "--config", CONFIG,
            "--workers", "1", "--nodes", "2", "--node-rank", str(rank), "--master-addr", netns["addr"][0],
            "--master-port", str(port), "--output", str(out), "--json", *extra]
-    env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+
+
+def reference(out: Path, workers: int, *extra: str) -> subprocess.Popen:
+    """The same run on one machine (this namespace): `labkit launch` with `workers` workers, STEPS steps."""
+    cmd = [sys.executable, "-m", "labkit", "launch", "--config", CONFIG, "--workers", str(workers), "--steps",
+           str(STEPS), "--output", str(out), "--json", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+
+
+def notebook_on_node(netns, rank: int, params: Path, executed: Path) -> subprocess.Popen:
+    """The README's cluster recipe on one node: papermill runs notebook 07 with the shared parameters file and this
+    node's rank, from the lab root."""
+    cmd = ["ip", "netns", "exec", netns["ns"][rank], sys.executable, "-m", "papermill",
+           "notebooks/07_pretrain.ipynb", str(executed), "-k", "python3", "-f", str(params), "-p", "node_rank",
+           str(rank), "--no-progress-bar"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=node_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish_notebook(proc: subprocess.Popen, executed: Path, limit: float) -> str:
+    """papermill's exit (0 expected, else its stderr's tail) and the executed notebook's printed text."""
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"papermill ({executed.name}) did not end within {limit:.0f} s")
+    assert proc.returncode == 0, f"papermill {executed.name} exited {proc.returncode}:\n{err[-3000:]}"
+    cells = json.loads(executed.read_text(encoding="utf-8"))["cells"]
+    return "\n".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
 
 
 def finish(proc: subprocess.Popen, limit: float) -> dict:
@@ -118,9 +155,16 @@ def test_a_node_that_never_starts_is_named(tmp_path, netns):
     assert not left_behind(res) and not in_namespace(netns["ns"][0])
 
 
-def test_two_nodes_killed_and_resumed_equal_one_node_and_one_card(tmp_path, netns):
-    """Node 1's worker is killed mid-run: both sides end within the bound, named, with nothing left; both nodes
-    resume from the shared folder, and the whole run's losses equal one node with 2 workers and one card."""
+RUN_LEVEL = {"run.yaml", "mindformers.yaml", "plan.json", "launch.sh", "metrics.jsonl", "config.yaml", "checkpoints",
+             "hf"}  # notebook 07's files, `labkit train`'s (rank 0), and the HF copy of the notebook's last section
+PER_NODE = {"launch_node0.yaml", "launch_node1.yaml", "logs"}  # labkit launch's, per node (logs/node<R>/)
+
+
+def test_two_nodes_killed_then_resumed_by_notebook_07_on_each_node(tmp_path, netns):
+    """Node 1's worker is killed mid-run: both sides end within the bound, named, with nothing left. Then notebook 07
+    runs through papermill once on each node (the README's recipe, `-p resume True`) and finishes the run from the
+    shared folder: one run, each node's own logs and launch file, run-level files once, by node 0; its losses
+    equal one node with 2 workers and one card with the same global batch."""
     out = tmp_path / "two_nodes"
     run = ("--steps", str(STEPS), "--set", "train.save_every=2")
     n0 = node(netns, 0, out, 29613, *run)
@@ -136,22 +180,42 @@ def test_two_nodes_killed_and_resumed_equal_one_node_and_one_card(tmp_path, netn
     assert not left_behind(r0, r1) and not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])
     assert r0["checkpoint"] and 2 <= int(r0["checkpoint"][-6:]) < STEPS
 
-    resumed = [node(netns, r, out, 29614, *run, "--resume") for r in (0, 1)]
-    res = [finish(p, 300) for p in resumed]
-    assert all(r["ok"] for r in res), [r.get("reason") for r in res]
-    assert not left_behind(*res) and not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])
-    for r in (0, 1):  # each node its own logs and launch file; run-level files once
+    # the references start now and run beside the notebooks (whose kernels spend much of their time waiting):
+    # one node with 2 workers, and one card with the same global batch (micro_batch 8). Not during node 0's wait
+    # above: its bound is measured there, and must not depend on what else loads the machine.
+    refs = {"one_node": reference(tmp_path / "one_node", 2),
+            "one_card": reference(tmp_path / "one_card", 1, "--set", "parallel.parallel_mode=stand_alone",
+                                  "--micro-batch", "8")}
+    params = tmp_path / "params.yaml"  # the README's params.yaml, for this run: 2 nodes x 1 CPU worker
+    params.write_text(f"config: {CONFIG}\ndevices: 2\nnodes: 2\nmaster_addr: {netns['addr'][0]}\nmaster_port: 29614\n"
+                      f"steps: {STEPS}\nsave_every: 2\noutput_dir: {out}\nresume: true\n", encoding="utf-8")
+    t0 = time.perf_counter()
+    executed = [tmp_path / f"07_node{r}.ipynb" for r in (0, 1)]
+    books = [notebook_on_node(netns, r, params, executed[r]) for r in (0, 1)]
+    text = [finish_notebook(p, e, 600) for p, e in zip(books, executed)]
+    print(f"notebook 07 on both nodes: {time.perf_counter() - t0:.1f} s")
+    assert not in_namespace(netns["ns"][0]) and not in_namespace(netns["ns"][1])  # kernels and workers ended
+    assert "✓ loss fell" in text[0] and "✓ transformers picks" in text[0] and "skips this cell" not in text[0]
+    for what in pretrain.NODE0_ONLY.values():  # node 1 says what it skipped and why, and did none of it
+        assert "node 1 of 2 skips this cell: " + what.format(r=1) in text[1]
+    assert "✓ loss fell" not in text[1] and "its 1 worker(s) (rank 1) ended with exit 0" in text[1]
+
+    for r in (0, 1):  # each node its own logs and launch file; run-level files once (names, so never per node)
         assert (out / "logs" / f"node{r}" / f"worker_{r}.log").is_file() and (out / f"launch_node{r}.yaml").is_file()
     assert not (out / "logs" / "msrun.log").exists() and not (out / "launch.yaml").exists()
+    names = {p.name for p in out.iterdir() if not p.name.startswith("events.out.tfevents.")}
+    assert names == RUN_LEVEL | PER_NODE, names ^ (RUN_LEVEL | PER_NODE)
+    assert "on each node:" in (out / "run.yaml").read_text()  # node 0's run.yaml, with every node's command
+    steps = [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    assert steps == list(range(1, STEPS + 1)), steps  # one run: every step once
 
-    one_node = launcher.launch(CONFIG, 2, output=tmp_path / "one_node", steps=STEPS, progress=False, show_report=False)
-    one_card = launcher.launch(CONFIG, 1, ["parallel.parallel_mode=stand_alone"], output=tmp_path / "one_card",
-                               steps=STEPS, micro_batch=8, progress=False, show_report=False)
-    assert one_node.ok and one_card.ok
+    done = {name: finish(p, 300) for name, p in refs.items()}
+    assert all(r["ok"] for r in done.values()), {k: r.get("reason") for k, r in done.items()}
+    assert done["one_card"]["workers"] == 1 and done["one_node"]["workers"] == 2 and not left_behind(*done.values())
     a, b, c = losses(out), losses(tmp_path / "one_node"), losses(tmp_path / "one_card")
     print("two nodes", a, "\none node", b, "\none card", c)
     assert len(a) == len(b) == len(c) == STEPS
     # measured here: two nodes == one node bit for bit (the same two gradients, averaged in the same order); one
     # card summed the 8 samples' gradients in another order: step 4 differed by 4.8e-7 (~4 float32 ulps of 7.9)
-    assert a == b, "the same two workers, placed on two nodes and resumed, must compute the same thing"
+    assert a == b, "the same two workers, placed on two nodes, killed and resumed by notebook 07, must compute the same"
     assert max(abs(x - y) for x, y in zip(a, c)) <= 1e-6 * max(map(abs, c))  # float32 reordering, ~8 ulps

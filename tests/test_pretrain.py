@@ -86,6 +86,21 @@ def test_other_nodes_need_the_master_when_training():
     assert len(cmds) == 2 and "--node-rank 1" in cmds[1] and "NODE0_HOST" in cmds[0]
 
 
+def test_only_node_0_writes_the_run_files(tmp_path, capsys):
+    """Several nodes share output_dir: node 0 writes run.yaml & co. once; another node writes none and says why."""
+    params = {"preset": "llama2_7b", "devices": 16, "output_dir": str(tmp_path)}  # 2 nodes, plan only here
+    node1 = pretrain.resolve({**params, "node_rank": 1})
+    assert pretrain.write_configs(node1) == {} and not list(tmp_path.iterdir())
+    assert not pretrain.node0_only(node1, "configs")
+    assert "node 1 of 2 skips this cell: run.yaml, mindformers.yaml" in capsys.readouterr().out
+    node0 = pretrain.resolve(params)
+    assert pretrain.node0_only(node0, "configs") and capsys.readouterr().out == ""
+    assert set(pretrain.write_configs(node0)) == {p.name for p in tmp_path.iterdir()} == {
+        "run.yaml", "mindformers.yaml", "plan.json", "launch.sh"}
+    head = (tmp_path / "run.yaml").read_text()
+    assert all(line in head for line in pretrain.commands(node0)["labkit_launch"])  # every node's command
+
+
 @pytest.mark.slow
 def test_cpu_runs_resolve_with_measured_peak_and_check_the_output_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

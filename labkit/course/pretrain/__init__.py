@@ -3,7 +3,8 @@
     params    the parameters (one glossary with the config fields), presets, precision per AMP level
     layouts   the planner's row for one layout, the batch arithmetic per dp, the devices this machine has
     runspec   the notebook's parameters -> a validated PretrainRun (layout, batch, memory, devices, files)
-    outputs   run.yaml, mindformers.yaml, plan.json and launch.sh (the command per node)
+    outputs   run.yaml, mindformers.yaml, plan.json and launch.sh (the command per node), written once by node 0;
+              node0_only(run, what) says what another node skips and why
     follow    `labkit launch` with a live view of metrics.jsonl
     results   final figures, shape proofs without weights, the two 7B recipes compared
 
@@ -11,6 +12,6 @@ The notebook imports this package; the names below are its whole interface."""
 from labkit.course.pretrain.params import Param, PARAMETERS, PARAMS, DEFAULTS, PRESETS, DEVICE_FOR_TARGET, AMP_PRECISION, SEED_AS_WRITTEN  # noqa: F401
 from labkit.course.pretrain.layouts import recompute_fraction, estimate  # noqa: F401
 from labkit.course.pretrain.runspec import PretrainRun, host_ram_gib, getattr_dotted, resolve  # noqa: F401
-from labkit.course.pretrain.outputs import layout_table, stage_recompute_counts, mindformers_yaml, commands, write_configs  # noqa: F401
+from labkit.course.pretrain.outputs import layout_table, stage_recompute_counts, mindformers_yaml, commands, write_configs, config_texts, NODE0_ONLY, node0_only  # noqa: F401
 from labkit.course.pretrain.follow import PANELS, figure_png, status_line, Follower, launch  # noqa: F401
 from labkit.course.pretrain.results import expected_shapes, prove_shapes, checkpoint_shapes, summarize, recipe_row, compare_recipes  # noqa: F401

@@ -131,16 +131,39 @@ def commands(run: PretrainRun) -> dict:
             "resume": resume}
 
 
-def write_configs(run: PretrainRun) -> dict[str, Path]:
-    """run.yaml, mindformers.yaml, plan.json and launch.sh in output_dir (each written atomically)."""
+NODE0_ONLY = {  # what a node other than node 0 skips in notebook 07, and why (printed by node0_only)
+    "configs": "run.yaml, mindformers.yaml, plan.json and launch.sh are the run's files: node 0 writes them once "
+               "into the shared output_dir (this node's own files are launch_node{r}.yaml and logs/node{r}/, "
+               "written by labkit launch)",
+    "checkpoint": "the checkpoints are the run's: rank 0 on node 0 saves them into the shared output_dir, and "
+                  "node 0's notebook checks their shapes (here they may still be being written)",
+    "summary": "the loss curve, metrics.jsonl and the checkpoints are rank 0's, on node 0: node 0's notebook "
+               "checks them",
+    "evaluation": "validation, generation and the HF copy read the run's checkpoint and write into the shared "
+                  "output_dir: node 0's notebook does them, once for the run",
+}
+
+
+def node0_only(run: PretrainRun, what: str) -> bool:
+    """True on node 0 (and with one node). On another node: print what it skips (NODE0_ONLY[what]) and why,
+    and return False. With several nodes sharing output_dir, run-level files are written once, by node 0."""
+    if run.node_rank == 0:
+        return True
+    print(f"node {run.node_rank} of {run.nodes} skips this cell: " + NODE0_ONLY[what].format(r=run.node_rank))
+    return False
+
+
+def config_texts(run: PretrainRun) -> dict[str, str]:
+    """The texts of run.yaml, mindformers.yaml, plan.json and launch.sh (what write_configs writes)."""
     from labkit.config import dump_run_config
 
-    out = run.output_dir
     cmds = commands(run)
     given = {k: v for k, v in run.params.items() if v is not None and v != DEFAULTS[k]}
-    files = {
+    start = (f"# Start it with: {cmds['labkit_launch'][0]}\n" if run.nodes == 1 else
+             "# Start it with, on each node:\n" + "".join(f"#   {line}\n" for line in cmds["labkit_launch"]))
+    return {
         "run.yaml": f"# labkit run config written by notebook 07 (preset {run.preset}, parameters {given}).\n"
-                    f"# Start it with: {cmds['labkit_launch'][run.node_rank]}\n" + dump_run_config(run.cfg),
+                    + start + dump_run_config(run.cfg),
         "mindformers.yaml": mindformers_yaml(run),
         "plan.json": json.dumps({"preset": run.preset, "devices": run.devices, "nodes": run.nodes,
                                  "device": run.device.name, "device_memory_gib": run.device_memory_gib,
@@ -154,4 +177,12 @@ def write_configs(run: PretrainRun) -> dict[str, Path]:
              "", "# this notebook again, e.g. on a cluster:", "# " + cmds["papermill"], "",
              "# continue after an interruption:", "# " + cmds["resume"], ""]),
     }
-    return {name: atomic_write_text(out / name, text) for name, text in files.items()}
+
+
+def write_configs(run: PretrainRun) -> dict[str, Path]:
+    """run.yaml, mindformers.yaml, plan.json and launch.sh in output_dir (each written atomically), by node 0:
+    with several nodes sharing output_dir, these are the run's files, written once; another node writes none
+    and returns {} (its own files are labkit launch's launch_node<R>.yaml and logs/node<R>/)."""
+    if run.node_rank != 0:
+        return {}
+    return {name: atomic_write_text(run.output_dir / name, text) for name, text in config_texts(run).items()}

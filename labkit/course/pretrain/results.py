@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from labkit.config import load_run_config
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.course.pretrain.layouts import estimate
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.course.pretrain.params import SEED_AS_WRITTEN
-from labkit.course.pretrain.outputs import commands, write_configs
+from labkit.course.pretrain.outputs import NODE0_ONLY, commands, mindformers_yaml, write_configs
 from labkit.course.pretrain.follow import figure_png
 
 
@@ -39,7 +40,15 @@ def prove_shapes(run: PretrainRun) -> dict:
     path = run.output_dir / "mindformers.yaml"
     if not path.exists():
         write_configs(run)
-    mc = dict(MindFormerConfig(str(path)).model.model_config)
+    if path.exists():
+        mc = dict(MindFormerConfig(str(path)).model.model_config)
+    else:  # another node than node 0 writes no run-level files: the same text, from a scratch file
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            scratch = Path(tmp) / "mindformers.yaml"
+            scratch.write_text(mindformers_yaml(run), encoding="utf-8")
+            mc = dict(MindFormerConfig(str(scratch)).model.model_config)
     mc.pop("type")
     start = time.perf_counter()
     with ms.nn.utils.no_init_parameters():
@@ -49,7 +58,8 @@ def prove_shapes(run: PretrainRun) -> dict:
     wrong = {n: (built.get(n), s) for n, s in want.items() if built.get(n) != s}
     return {"parameters": count_parameters(model), "expected": num_params(run.model), "tensors": len(built),
             "mismatched": wrong, "unexpected": sorted(set(built) - set(want)),
-            "seconds": round(time.perf_counter() - start, 2), "from": str(path)}
+            "seconds": round(time.perf_counter() - start, 2),
+            "from": str(path) if path.exists() else "mindformers_yaml(run), not written on this node"}
 
 
 def checkpoint_shapes(run: PretrainRun) -> dict:
@@ -79,13 +89,16 @@ def summarize(run: PretrainRun, result=None) -> dict:
            "predicted_tokens_per_s_per_device": round(s["tokens_per_s_per_device"], 1),
            "predicted_mfu": round(s["mfu"], 3), "memory_gib_per_device": s["memory_gib"]["total"],
            "files": sorted(p.name for p in run.output_dir.glob("*") if p.is_file()), "commands": cmds}
+    if result is not None and run.node_rank > 0:
+        return _node_summary(run, result, out)
     if result is None:
         tokens = run.global_batch * run.cfg.data.seq_len * run.cfg.train.steps
         out.update(trained_here=False, why_not=run.why_not,
                    predicted_days=round(run.cfg.train.steps * s["step_time_s"] / 86400, 1), tokens=tokens)
         print(f"NOT TRAINED on this machine: {run.why_not}.\nWhat was done: the plan was validated "
               f"({s['memory_gib']['total']:.1f} of {run.device_memory_gib:g} GiB per device), the configs were "
-              f"written to {run.output_dir}, the model was built without weights to check its shapes.\n"
+              f"written to {run.output_dir}" + (" (by node 0)" if run.node_rank else "") + ", the model was built "
+              "without weights to check its shapes.\n"
               f"Predicted on {run.devices} x {run.device.name}: {s['step_time_s']:.2f} s/step, "
               f"{s['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {s['mfu']:.0%}; {run.cfg.train.steps:,} "
               f"steps ({tokens / 1e9:,.1f}B tokens) in about {out['predicted_days']} days.\n"
@@ -115,6 +128,16 @@ def summarize(run: PretrainRun, result=None) -> dict:
     nb.record("07 final loss", round(out["final_loss"], 3))
     nb.record("07 tokens/s", round(out["tokens_per_s"]))
     nb.record("07 MFU", f"{out['mfu']:.1%}")
+    return out
+
+
+def _node_summary(run: PretrainRun, result, out: dict) -> dict:
+    """summarize() on a node other than node 0: what this node's workers did; the run's figures are node 0's."""
+    first = run.node_rank * run.workers
+    ranks = f"rank {first}" if run.workers == 1 else f"ranks {first}..{first + run.workers - 1}"
+    out.update(trained_here=True, node_rank=run.node_rank, logs=result.logs, seconds=round(result.seconds, 1))
+    print(f"node {run.node_rank} of {run.nodes}: its {run.workers} worker(s) ({ranks}) ended with exit 0 after "
+          f"{out['seconds']} s; logs: {result.logs}\nnot summarised here: " + NODE0_ONLY["summary"])
     return out
 
 
