@@ -143,7 +143,8 @@ def _io_bytes() -> int:
 def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str = "float32", raw: bool = False) -> dict:
     """Median time of DistributedGradReducer(mean=True) over tensors of `shapes` in `dtype` (`raw`: a bare
     ops.AllReduce sum of each, and `mean_ok` checks the sum), ranks aligned before each call; `io_bytes_per_call` is
-    what this process read and wrote through system calls per call."""
+    what this process read and wrote through system calls per call, counted from before the first call to after
+    all ranks have finished the last."""
     import statistics
 
     import numpy as np
@@ -162,14 +163,17 @@ def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str =
 
     check = float(run(grads)[0].asnumpy().ravel()[0])  # compile + warm-up; mean (raw: sum) of 1..size
     expected = size * (size + 1) / 2 if raw else (size + 1) / 2
-    seconds, io = [], 0
+    seconds = []
+    align()
+    io_start = _io_bytes()
     for _ in range(repeats):
         align()
-        before, t = _io_bytes(), time.perf_counter()
+        t = time.perf_counter()
         res = run(grads)
         res[-1].asnumpy()
         seconds.append(time.perf_counter() - t)
-        io += _io_bytes() - before
+    align()  # every rank done: a send still in flight when rank 0's result arrived is counted too
+    io = _io_bytes() - io_start  # the aligning all-reduces of one float add a few hundred bytes
     numel = int(sum(np.prod(s) for s in shapes))
     nbytes = numel * np_dtype.itemsize
     med = statistics.median(seconds)
