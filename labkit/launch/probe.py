@@ -15,14 +15,22 @@ from labkit.model.shapes import grad_shapes
 
 def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_000_000, 4_000_000),
                       repeats: int = 10, output=None, timeout: float = 300,
-                      env_vars=("NCCL_ALGO", "NCCL_IB_DISABLE", "HCCL_CONNECT_TIMEOUT")) -> dict:
+                      env_vars=("NCCL_ALGO", "NCCL_IB_DISABLE", "HCCL_CONNECT_TIMEOUT"),
+                      dtypes=("float32",), raw_sizes=()) -> dict:
     """Time MindSpore's gradient all-reduce between `workers` processes on this machine (msrun, mccl on CPU).
 
     Measures `nn.DistributedGradReducer(mean=True)` (what training uses) on zero tensors shaped like `model`'s
     gradients, and a single float32 buffer of each size in `sizes` (elements), the median of `repeats` timed
     calls each, after a warm-up and with ranks aligned before each call. Also reports the communication backend
     and which of the libraries the worker has loaded mention each of `env_vars` (a library that reads a variable
-    holds its name)."""
+    holds its name).
+
+    `dtypes` (numpy names, e.g. ("float32", "float16")) are all timed in the same launch; the result's
+    `model_grads` and `sizes` are the first dtype's, `by_dtype` holds every dtype's. Each timing also counts the
+    bytes the rank-0 worker passed to read/write system calls during the timed calls (/proc/self/io), which is
+    where the socket traffic of a CPU all-reduce shows. The reducer casts every gradient to float32 before its
+    AllReduce (MindSpore's grad_reducer.py); each of `raw_sizes` is timed as a bare `ops.AllReduce` (sum) in each
+    dtype (`by_dtype[d]["raw_sizes"]`), which sends the dtype as it is."""
     from labkit.config import ModelConfig, model_preset
     from labkit.paths import RUNS
 
@@ -37,7 +45,7 @@ def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_0
     result_file.unlink(missing_ok=True)
     spec.write_text(json.dumps({"model": [list(s) for s in grad_shapes(mcfg)], "sizes": list(sizes),
                                 "repeats": repeats, "result": str(result_file.resolve()),
-                                "env_vars": list(env_vars)}), encoding="utf-8")
+                                "env_vars": list(env_vars), "dtypes": list(dtypes), "raw_sizes": list(raw_sizes)}), encoding="utf-8")
     cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs.resolve(), cluster_time_out=120,
                      tail_worker_log=NO_TAIL, head=msrun_head())
     cmd += ["python", "-m", "labkit.launch", "probe", str(spec.resolve())]
@@ -88,10 +96,15 @@ def probe_worker(spec_file: str) -> None:
     os.environ.setdefault("GLOG_v", "3")
     spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
     rank, size, align = _join_cluster()
-    model = _time_reduce([tuple(s) for s in spec["model"]], rank, size, spec["repeats"], align)
-    sweep = [_time_reduce([(int(n),)], rank, size, spec["repeats"], align) for n in spec["sizes"]]
+    by_dtype = {}
+    for dtype in spec.get("dtypes", ["float32"]):
+        model = _time_reduce([tuple(s) for s in spec["model"]], rank, size, spec["repeats"], align, dtype)
+        sweep = [_time_reduce([(int(n),)], rank, size, spec["repeats"], align, dtype) for n in spec["sizes"]]
+        by_dtype[dtype] = {"model_grads": model, "sizes": sweep}
+        by_dtype[dtype]["raw_sizes"] = [_time_reduce([(int(n),)], rank, size, spec["repeats"], align, dtype,
+                                                     raw=True) for n in spec.get("raw_sizes", [])]
     if rank == 0:
-        _write_result(spec, size, model, sweep)
+        _write_result(spec, size, by_dtype)
     align()
 
 
@@ -118,44 +131,65 @@ def _join_cluster():
     return rank, size, lambda: reduce_one(one).asnumpy()
 
 
-def _time_reduce(shapes, rank: int, size: int, repeats: int, align) -> dict:
-    """Median time of DistributedGradReducer(mean=True) over tensors of `shapes`, ranks aligned before each call."""
+def _io_bytes() -> int:
+    """Bytes this process has passed to read and write system calls so far (/proc/self/io rchar + wchar)."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    except (OSError, ValueError):
+        return 0
+    return int(fields.get("rchar", 0)) + int(fields.get("wchar", 0))
+
+
+def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str = "float32", raw: bool = False) -> dict:
+    """Median time of DistributedGradReducer(mean=True) over tensors of `shapes` in `dtype` (`raw`: a bare
+    ops.AllReduce sum of each, and `mean_ok` checks the sum), ranks aligned before each call; `io_bytes_per_call` is
+    what this process read and wrote through system calls per call, counted from before the first call to after
+    all ranks have finished the last."""
     import statistics
 
     import numpy as np
     import mindspore as ms
-    from mindspore import nn
+    from mindspore import nn, ops
 
-    params = ms.ParameterTuple(ms.Parameter(ms.Tensor(np.zeros(s, np.float32)), name=f"p{i}")
+    np_dtype = np.dtype(dtype)
+    params = ms.ParameterTuple(ms.Parameter(ms.Tensor(np.zeros(s, np_dtype)), name=f"p{i}")
                                for i, s in enumerate(shapes))
-    reducer = nn.DistributedGradReducer(params, mean=True, degree=size)
-    grads = tuple(ms.Tensor(np.full(s, rank + 1.0, np.float32)) for s in shapes)
+    reducer = ops.AllReduce() if raw else nn.DistributedGradReducer(params, mean=True, degree=size)
+    grads = tuple(ms.Tensor(np.full(s, rank + 1.0, np_dtype)) for s in shapes)
 
     @ms.jit
     def run(g):
-        return reducer(g)
+        return tuple(reducer(x) for x in g) if raw else reducer(g)
 
-    check = float(run(grads)[0].asnumpy().ravel()[0])  # compile + warm-up; mean of 1..size
+    check = float(run(grads)[0].asnumpy().ravel()[0])  # compile + warm-up; mean (raw: sum) of 1..size
+    expected = size * (size + 1) / 2 if raw else (size + 1) / 2
     seconds = []
+    align()
+    io_start = _io_bytes()
     for _ in range(repeats):
         align()
         t = time.perf_counter()
         res = run(grads)
         res[-1].asnumpy()
         seconds.append(time.perf_counter() - t)
+    align()  # every rank done: a send still in flight when rank 0's result arrived is counted too
+    io = _io_bytes() - io_start  # the aligning all-reduces of one float add a few hundred bytes
     numel = int(sum(np.prod(s) for s in shapes))
+    nbytes = numel * np_dtype.itemsize
     med = statistics.median(seconds)
-    return {"tensors": len(shapes), "numel": numel, "mbytes": numel * 4 / 1e6, "median_s": med,
-            "min_s": min(seconds), "algbw_gbps": numel * 4 / med / 1e9, "mean_ok": abs(check - (size + 1) / 2) < 1e-6}
+    return {"dtype": dtype, "tensors": len(shapes), "numel": numel, "mbytes": nbytes / 1e6, "median_s": med,
+            "min_s": min(seconds), "algbw_gbps": nbytes / med / 1e9, "io_bytes_per_call": io / repeats,
+            "raw": raw, "mean_ok": abs(check - expected) < 1e-6}
 
 
-def _write_result(spec: dict, size: int, model: dict, sweep: list) -> None:
+def _write_result(spec: dict, size: int, by_dtype: dict) -> None:
     from mindspore.communication import GlobalComm
 
     from labkit.io import atomic_write_text
 
     libs = _loaded_libraries()
+    first = next(iter(by_dtype.values()))
     atomic_write_text(spec["result"], json.dumps({
-        "workers": size, "backend": str(GlobalComm.BACKEND), "model_grads": model, "sizes": sweep,
+        "workers": size, "backend": str(GlobalComm.BACKEND), **first, "by_dtype": by_dtype,
         "loaded_libraries": [p.name for p in libs],
         "env_readers": {v: _libraries_mentioning(libs, v) for v in spec.get("env_vars", [])}}))

@@ -22,6 +22,41 @@ def table(times_ms: dict[str, float], steps: int, top: int = 15) -> list[dict]:
     return [{"op": op, "ms_per_step": ms / steps, "share": ms / total} for op, ms in rows]
 
 
+# What a learner should read from an operator table: matrix products do the model's FLOPs (6·N per token); on a
+# small model on a CPU the element-wise kernels, reductions (norms, softmax, loss) and the optimizer's per-parameter
+# update take a large share too, which no FLOP count sees. Operator types by group (MindSpore's CPU names).
+OP_GROUPS = {
+    "matmul": ("MatMul", "BatchMatMul", "Dense", "MatMulExt", "BatchMatMulExt"),
+    "optimizer": ("AdamWeightDecay", "Adam", "AdamW", "ApplyAdamWithAmsgrad", "FusedAdamWeightDecay"),
+    "reduction / softmax / loss": ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "Softmax", "LogSoftmax",
+                                   "SoftmaxGrad", "LogSoftmaxGrad", "SparseSoftmaxCrossEntropyWithLogits",
+                                   "CrossEntropy", "ArgMax", "Argmax", "CumSum", "RmsNorm", "RmsNormGrad"),
+    "data movement": ("Transpose", "Reshape", "Concat", "Gather", "GatherV2", "StridedSlice", "StridedSliceGrad",
+                      "Tile", "BroadcastTo", "Cast", "ExpandDims", "Squeeze", "Split", "Slice", "TensorCopySlices",
+                      "UnsortedSegmentSum", "ScatterNd", "Identity", "TensorMove", "Assign", "OneHot", "Select"),
+    "element-wise": ("Mul", "Add", "Sub", "Div", "RealDiv", "Neg", "Sigmoid", "SigmoidGrad", "SiLU", "SiLUGrad",
+                     "Square", "Sqrt", "Rsqrt", "RsqrtGrad", "Exp", "Log", "Pow", "Maximum", "Minimum", "AddN",
+                     "Sin", "Cos", "Abs", "Sign", "Reciprocal", "Erf", "Tanh", "IsFinite", "Less", "Greater",
+                     "Equal", "LessEqual", "GreaterEqual", "LogicalAnd", "LogicalNot", "Floor", "FloorDiv",
+                     "AddExt", "SubExt", "Muls", "Adds", "ZerosLike", "OnesLike", "Fill", "Fills"),
+}
+
+
+def op_groups(times_ms: dict[str, float], steps: int) -> list[dict]:
+    """Rows {group, ms_per_step, share, ops} over OP_GROUPS, largest first; unlisted operator types are "other"."""
+    of = {op: group for group, ops in OP_GROUPS.items() for op in ops}
+    sums: dict[str, float] = {}
+    members: dict[str, list[str]] = {}
+    for op, ms in times_ms.items():
+        g = of.get(op, "other")
+        sums[g] = sums.get(g, 0.0) + ms
+        members.setdefault(g, []).append(op)
+    total = sum(sums.values()) or 1.0
+    return [{"group": g, "ms_per_step": ms / steps, "share": ms / total,
+             "ops": ", ".join(sorted(members[g], key=lambda o: -times_ms[o])[:6])}
+            for g, ms in sorted(sums.items(), key=lambda kv: -kv[1])]
+
+
 def mindspore_op_times(folder) -> dict[str, float]:
     """Total milliseconds by operator type from a MindSpore CPU profile folder."""
     times: dict[str, float] = {}
@@ -35,8 +70,6 @@ def mindspore_op_times(folder) -> dict[str, float]:
 def profile_labkit(preset: str, micro_batch: int, seq_len: int, kernels: str = "native", steps: int = 3,
                    warmup: int = WARMUP_STEPS, config: str = "configs/tiny_cpu.yaml") -> list[dict]:
     """Top operators of labkit's MindSpore training step (float32, no accumulation) over `steps` steady steps."""
-    from mindspore.profiler import Profiler
-
     from labkit.config import load_run_config
     from labkit.training.trainer import Trainer
 
@@ -47,12 +80,24 @@ def profile_labkit(preset: str, micro_batch: int, seq_len: int, kernels: str = "
             "train.peak_tflops=1", "train.amp_level=O0", f"train.kernels={kernels}"])
         trainer = Trainer(cfg, log=lambda m: None)
         trainer.run()  # compile and warm-up, outside the profile
-        cfg.train.steps = warmup + steps
+        return profile_trainer(trainer, steps)["table"]
+
+
+def profile_trainer(trainer, steps: int = 3, top: int = 15) -> dict:
+    """Profile `steps` more steps of a Trainer that has already run (so its graph is compiled and warm): the top
+    operators `table`, every operator's total milliseconds (`times_ms`), and the `history` rows of those steps.
+    The trainer's train.steps is raised by `steps`; its run folder gets those rows as usual."""
+    from mindspore.profiler import Profiler
+
+    with tempfile.TemporaryDirectory(prefix="labkit_profile_") as tmp:
+        trainer.cfg.train.steps = trainer.step + steps
         prof = Profiler(output_path=f"{tmp}/profile")
         trainer.run()
         prof.stop()
         prof.analyse()
-        return table(mindspore_op_times(f"{tmp}/profile"), steps)
+        times = mindspore_op_times(f"{tmp}/profile")
+    return {"table": table(times, steps, top), "times_ms": times, "steps": steps,
+            "history": trainer.history[-steps:]}
 
 
 def profile_torch(step, steps: int = 3) -> list[dict]:

@@ -1,0 +1,36 @@
+"""Notebook 08's diagnoses that need no training run: the operator groups of a profile and the planner's
+activation count the sequence-length lab compares with MindSpore's memory pool."""
+import pytest
+
+from labkit.config import model_preset
+from labkit.course.troubleshoot import planner_activations_mb
+from labkit.training.profile import OP_GROUPS, op_groups, table
+
+
+def test_op_groups_partition_the_operator_time():
+    times = {"MatMul": 600.0, "BatchMatMul": 150.0, "Mul": 300.0, "AdamWeightDecay": 90.0, "ReduceSum": 60.0,
+             "Transpose": 30.0, "SomethingNew": 15.0}
+    rows = op_groups(times, steps=3)
+    by = {r["group"]: r for r in rows}
+    assert by["matmul"]["ms_per_step"] == pytest.approx(250.0) and by["matmul"]["ops"] == "MatMul, BatchMatMul"
+    assert by["other"]["ops"] == "SomethingNew"
+    assert sum(r["ms_per_step"] for r in rows) == pytest.approx(sum(times.values()) / 3)
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert [r["group"] for r in rows] == sorted(by, key=lambda g: -by[g]["ms_per_step"])
+    # the table and the groups see the same total
+    assert sum(r["ms_per_step"] for r in table(times, 3, top=99)) == pytest.approx(sum(times.values()) / 3)
+
+
+def test_no_operator_type_is_in_two_groups():
+    seen = [op for ops in OP_GROUPS.values() for op in ops]
+    assert len(seen) == len(set(seen))
+
+
+def test_at_equal_tokens_only_the_attention_scores_shrink():
+    """seq 128 x micro-batch 8 against seq 64 x 16 (lab 5's short phase): the same tokens, so every linear term
+    cancels and the difference is the float32 scores, heads x s x s per sample in every layer."""
+    cfg = model_preset("tiny")
+    diff = planner_activations_mb(cfg, 128, 8) - planner_activations_mb(cfg, 64, 16)
+    scores = cfg.num_layers * cfg.num_heads * (128 * 128 * 8 - 64 * 64 * 16) * 4 / 2**20
+    assert diff == pytest.approx(scores, rel=1e-9)
+    assert planner_activations_mb(cfg, 128, 16) == pytest.approx(2 * planner_activations_mb(cfg, 128, 8), rel=1e-9)
