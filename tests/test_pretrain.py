@@ -8,6 +8,7 @@ import yaml
 from labkit.course import pretrain
 from labkit.config import load_run_config, model_preset
 from labkit.errors import LabkitError
+from labkit.model.shapes import num_params
 from labkit.paths import NOTEBOOKS
 
 NB07 = NOTEBOOKS / "07_pretrain.ipynb"
