@@ -1,4 +1,6 @@
-"""Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill."""
+"""Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill: the 7B plan-only
+path and the validation stop here; its multi-worker training path runs once per node in tests/test_multinode.py
+(two nodes, resumed, equal to one node and one card), its CPU smoke run under nbval."""
 import html
 import json
 
@@ -309,18 +311,6 @@ def outputs(nb) -> str:
         for o in c.get("outputs", []):
             text.append("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", "")))
     return "\n".join(text)
-
-
-@pytest.mark.slow
-def test_notebook_with_two_data_parallel_workers(tmp_path):
-    nb = execute(tmp_path, devices=2, steps=4, save_every=2, output_dir=str(tmp_path / "dp2"))
-    rows = [json.loads(line) for line in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    launched = load_run_config(tmp_path / "dp2" / "launch.yaml")
-    assert launched.parallel.parallel_mode == "data_parallel" and launched.train.micro_batch == 4
-    assert (tmp_path / "dp2" / "logs" / "worker_1.log").exists()  # two ranks ran
-    assert (tmp_path / "dp2" / "checkpoints" / "step_000004" / "state.json").exists()
-    assert "✓ loss fell" in outputs(nb)
 
 
 @pytest.mark.slow
