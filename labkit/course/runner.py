@@ -35,6 +35,12 @@ class NotebookResult:
     error: str | None = None
 
 
+def cell_text(cell: dict) -> str:
+    """A notebook cell's source as one string (nbformat stores it as a string or a list of lines)."""
+    source = cell["source"]
+    return "".join(source) if isinstance(source, list) else source
+
+
 READING_RATE = {"zh_chars": 300, "en_words": 200, "code_lines": 15}  # per minute: a learner reads one language
 
 
@@ -46,7 +52,7 @@ def reading_minutes(notebook: Path) -> float:
     book = json.loads(Path(notebook).read_text(encoding="utf-8"))
     zh = en = code = 0
     for cell in book["cells"]:
-        text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        text = cell_text(cell)
         if cell["cell_type"] == "code":
             code += sum(1 for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
         else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
+from labkit.course.runner import cell_text, course_notebooks
 from labkit.paths import NOTEBOOKS
 
 SOLUTION_TAG = "solution"
@@ -43,8 +44,7 @@ def student_notebook(book: dict) -> tuple[dict, int]:
             continue
         cell["outputs"], cell["execution_count"] = [], None
         if SOLUTION_TAG in tags(cell):
-            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-            cell["source"] = hint_of(source) + PLACEHOLDER
+            cell["source"] = hint_of(cell_text(cell)) + PLACEHOLDER
             emptied += 1
     return out, emptied
 
@@ -54,7 +54,7 @@ def write_student_copies(output: str | Path, overwrite: bool = False) -> dict:
     if output == NOTEBOOKS.resolve() or NOTEBOOKS.resolve().is_relative_to(output):
         raise LabkitError(f"--output {output}: the student copies would replace the course notebooks",
                           "choose a folder outside notebooks/, e.g. --output runs/student")
-    books = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    books = course_notebooks()
     if not books:
         raise LabkitError(f"no notebooks found in {NOTEBOOKS}")
     written = {}
