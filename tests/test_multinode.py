@@ -102,28 +102,28 @@ def notebook_on_node(netns, rank: int, params: Path, executed: Path) -> subproce
                             text=True, start_new_session=True)
 
 
-def finish_notebook(proc: subprocess.Popen, executed: Path, limit: float) -> str:
-    """papermill's exit (0 expected, else its stderr's tail) and the executed notebook's printed text."""
+def communicate_within(proc: subprocess.Popen, limit: float, what: str) -> tuple[str, str]:
+    """(stdout, stderr) of a process that must end within `limit` seconds; its session is killed and the test fails
+    when it does not."""
     try:
-        _, err = proc.communicate(timeout=limit)
+        return proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         proc.communicate()
-        pytest.fail(f"papermill ({executed.name}) did not end within {limit:.0f} s")
+        pytest.fail(f"{what} did not end within {limit:.0f} s")
+
+
+def finish_notebook(proc: subprocess.Popen, executed: Path, limit: float) -> str:
+    """papermill's exit (0 expected, else its stderr's tail) and the executed notebook's printed text."""
+    _, err = communicate_within(proc, limit, f"papermill ({executed.name})")
     assert proc.returncode == 0, f"papermill {executed.name} exited {proc.returncode}:\n{err[-3000:]}"
     cells = json.loads(executed.read_text(encoding="utf-8"))["cells"]
     return "\n".join("".join(o.get("text", "")) for c in cells for o in c.get("outputs", []))
 
 
 def finish(proc: subprocess.Popen, limit: float) -> dict:
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"a node's launcher did not end within {limit:.0f} s")
+    out, _ = communicate_within(proc, limit, "a node's launcher")
     return json.loads(out)
 
 
