@@ -92,3 +92,60 @@ def test_loss_scale_trace_matches_mindspores_dynamic_loss_scaler():
             real.append(float(scaler.scale_value.asnumpy()))
             scaler.adjust(ms.Tensor(ok))
         assert M.loss_scale_trace(pattern, 1024.0, 2, window) == real, window
+
+
+JIT = """
+import sys
+import mindspore as ms
+from mindspore import ops
+
+@ms.jit
+def step(x):
+    return ops.relu(x) * 2
+
+step(ms.Tensor([1.0]))
+print("ran", flush=True)
+sys.exit(3)
+"""
+
+
+def test_death_phase_reads_mindspores_compile_log(tmp_path):
+    script = tmp_path / "jit_then_die.py"  # MindSpore parses a jit function's source, so it must be a file
+    script.write_text(JIT)
+    import os
+    import subprocess
+
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "GLOG_v": "3", **M.COMPILE_LOG_ENV})
+    assert p.returncode == 3 and "ran" in p.stdout
+    events = M.compile_events(p.stderr)
+    assert [(k, n) for _, k, n in events] == [("start", "step"), ("end", "step")]
+    assert 0 <= events[1][0] - events[0][0] < 120  # wall-clock timestamps of one process, in order
+    timeline = [(events[0][0] - 1, 100.0), (events[0][0] + 1e-3, 150.0), (events[1][0] + 1e-3, 400.0)]
+    after = M.death_phase(p.stderr, 0, timeline)
+    assert after["phase"] == "step" and after["step"] == 1
+    assert after["compiles"]["step"] == {"start_mb": 100, "end_mb": 150}
+    # the same log cut where compilation began: a process killed there died compiling, and halving cannot help
+    cut = p.stderr[:p.stderr.index("End compiling")]
+    during = M.death_phase(cut, 0)
+    assert during["phase"] == "compile" and during["graph"] == "step"
+    assert "halving train.micro_batch will not help" in M.oom_report(
+        {"out_of_memory": True, "how": "killed", "evidence": "cgroup"}, 8, 500, None, during)
+    assert M.death_phase("no MindSpore here", 0)["phase"] == "setup"
+    assert M.death_phase("no MindSpore here", 4)["phase"] == "step"
+
+
+def test_run_capped_samples_the_memory_it_charges():
+    r = M.run_capped(py("import sys, time; x = bytearray(200 * 2**20); x[::4096] = b'1' * len(x[::4096]); "
+                        "time.sleep(0.5)"), 400)
+    if not r["method"].startswith("cgroup"):
+        pytest.skip("no memory cgroup to sample here")
+    peak = max(mb for _, mb in r["timeline"])
+    assert 200 <= peak <= r["peak_mb"] + 1, (peak, r["peak_mb"])
+
+
+def test_halving_stops_on_a_death_before_any_step():
+    def run(mb):
+        return {"micro_batch": mb, "fits": False, "death": {"out_of_memory": True}, "phase": {"phase": "compile"}}
+
+    assert [r["micro_batch"] for r in M.halve_until_fits(run, 64)] == [64]

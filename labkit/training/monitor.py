@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,11 @@ CGROUP_V2 = Path("/sys/fs/cgroup")
 ALLOCATOR_TEXT = re.compile(r"std::bad_alloc|Cannot allocate memory|Out of memory|out of memory|Malloc.*fail|"
                             r"Allocate memory failed|[Mm]emory (?:is )?not enough|memory isn't enough|"
                             r"Failed to alloc|ENOMEM")
+# MindSpore's PIPELINE module logs the start and the end of every graph compilation at INFO level; with only that
+# module at INFO (the rest stays at GLOG_v) a dead process's stderr says whether it died compiling or running.
+COMPILE_LOG_ENV = {"MS_SUBMODULE_LOG_v": "{PIPELINE:1}"}
+_COMPILE_EVENT = re.compile(r"PIPELINE\(\d+,\w+,\w+\):(\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d)\.(\d{3})\.(\d{3}) "
+                            r".*PrintEventMessage\] (Start|End) compiling '([^']+)'")
 
 
 # ------------------------------------------------------------------------------------------- RSS and leaks
@@ -177,14 +183,34 @@ def run_capped(cmd: list[str], limit_mb: float, *, env: dict | None = None, time
             resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     start = time.perf_counter()
+    timeline: list[tuple[float, float]] = []  # (unix time, MB charged to the group), sampled while it runs
+    done = threading.Event()
+    sampler = threading.Thread(target=_sample, args=(method, group, timeline, done), daemon=True)
     try:
+        sampler.start()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=enter)
+        done.set()
+        sampler.join()
         stats = _group_stats(method, group)
     finally:
+        done.set()
         if group is not None:
             _remove_group(group)
     return {"cmd": cmd, "limit_mb": limit_mb, "method": method, "returncode": p.returncode,
-            "seconds": round(time.perf_counter() - start, 1), "stdout": p.stdout, "stderr": p.stderr, **stats}
+            "seconds": round(time.perf_counter() - start, 1), "stdout": p.stdout, "stderr": p.stderr,
+            "timeline": timeline, **stats}
+
+
+def _sample(method: str, group: Path | None, out: list, done: threading.Event, every: float = 0.05) -> None:
+    """Memory charged to the cgroup every `every` seconds until `done` (nothing to read under RLIMIT_AS)."""
+    if group is None:
+        return
+    name = "memory.usage_in_bytes" if method == "cgroup-v1" else "memory.current"
+    while not done.wait(every):
+        try:
+            out.append((time.time(), int((group / name).read_text()) / 2**20))
+        except (OSError, ValueError):
+            pass
 
 
 def _remove_group(group: Path) -> None:
@@ -227,35 +253,84 @@ def _line_with(text: str, needle: str) -> str:
 # ------------------------------------------------------------------------------------------- training probes
 
 
+def compile_events(stderr: str) -> list[tuple[float, str, str]]:
+    """(unix time, 'start' or 'end', graph name) of each graph compilation in a log written with COMPILE_LOG_ENV."""
+    from datetime import datetime
+
+    out = []
+    for m in _COMPILE_EVENT.finditer(stderr):
+        t = datetime.strptime(m.group(1), "%Y-%m-%d-%H:%M:%S").timestamp() + int(m.group(2)) / 1e3 + int(m.group(3)) / 1e6
+        out.append((t, m.group(4).lower(), m.group(5)))
+    return out
+
+
+def _mb_at(timeline: list, t: float) -> float | None:
+    before = [mb for ts, mb in timeline if ts <= t]
+    return round(before[-1]) if before else None
+
+
+def death_phase(stderr: str, steps_done: int, timeline: list | tuple = ()) -> dict:
+    """When a training process died: before any graph compilation (imports, model build), while MindSpore
+    compiled a graph, or while running a step; with the memory charged at each compilation's start and end
+    (from `run_capped`'s timeline) so a reader sees what compiling cost against what running cost."""
+    events = compile_events(stderr)
+    compiles = {}
+    for t, kind, name in events:
+        compiles.setdefault(name, {})[kind + "_mb"] = _mb_at(timeline, t)
+    if events and events[-1][1] == "start":
+        name = events[-1][2]
+        return {"phase": "compile", "graph": name, "compiles": compiles,
+                "text": f"while compiling the graph '{name}' (before step {steps_done + 1} ran)"}
+    if events or steps_done:
+        return {"phase": "step", "step": steps_done + 1, "compiles": compiles,
+                "text": f"while running step {steps_done + 1}, after its graph compiled"}
+    return {"phase": "setup", "compiles": compiles, "text": "before any graph compilation (imports, model build, data)"}
+
+
 def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str] | tuple = (),
                  timeout: float = 1800, predict=None) -> dict:
-    """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended and why.
-    `predict(micro_batch)` gives a memory model's need by part in MB (e.g. the planner's, see
-    `labkit.course.troubleshoot.predicted_mb`); the report quotes it."""
+    """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended, when (compiling
+    or running, `death_phase`) and why. `predict(micro_batch)` gives a memory model's need by part in MB (e.g. the
+    planner's, see `labkit.course.troubleshoot.predicted_mb`); the report quotes it."""
+    from labkit.config import load_run_config
+    from labkit.training.metrics import read_metrics
+
     sets = [*sets, f"train.micro_batch={micro_batch}"]
     cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "GLOG_v": os.environ.get("GLOG_v", "3")}
+    env = {**os.environ, "GLOG_v": os.environ.get("GLOG_v", "3"), **COMPILE_LOG_ENV}
+    out = Path(load_run_config(config, list(sets)).output_dir)
+    started = time.time()
     result = run_capped(cmd, limit_mb, env=env, timeout=timeout)
     death = classify_death(result)
+    fresh = (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_mtime >= started
+    phase = death_phase(result["stderr"], len(read_metrics(out)) if fresh else 0, result.get("timeline", ()))
     need = predict(micro_batch) if predict else None
     fits = result["returncode"] == 0
     return {"micro_batch": micro_batch, "fits": fits, "limit_mb": limit_mb, "method": result["method"],
-            "seconds": result["seconds"], "peak_mb": result.get("peak_mb"), "death": death,
-            "predicted_mb": need, "report": None if fits else oom_report(death, micro_batch, limit_mb, need),
-            "stderr_tail": "\n".join(result["stderr"].splitlines()[-5:])}
+            "seconds": result["seconds"], "peak_mb": result.get("peak_mb"), "death": death, "phase": phase,
+            "predicted_mb": need, "report": None if fits else oom_report(death, micro_batch, limit_mb, need, phase),
+            "stderr_tail": "\n".join(line for line in result["stderr"].splitlines() if "[INFO]" not in line)[-2000:]}
 
 
-def oom_report(death: dict, micro_batch: int, limit_mb: float, need: dict | None = None) -> str:
+def oom_report(death: dict, micro_batch: int, limit_mb: float, need: dict | None = None,
+               phase: dict | None = None) -> str:
     """What a reader should be told about a dead training process."""
     if not death["out_of_memory"]:
         return f"the process died ({death['how']}), not from lack of memory as far as the evidence shows: " \
                f"{death['evidence']}"
+    if phase and phase["phase"] in ("compile", "setup"):
+        return (f"out of memory {phase['text']} at micro-batch {micro_batch}: {death['how']} ({death['evidence']}). "
+                f"No step ran, so activations are not the cause: compiling a graph costs host memory that grows "
+                f"with the graph (layers, operators), not with the batch. Fix: raise the limit above "
+                f"{limit_mb:.0f} MB, or make the graph smaller (fewer layers per process: pipeline stages); "
+                f"halving train.micro_batch will not help")
     predicted = (f"the planner predicts {need['total']:.0f} MB for weights, gradients, optimizer states and "
                  f"activations ({need['activations']:.0f} MB of it activations), plus the framework's overhead, "
                  f"against a {limit_mb:.0f} MB limit" if need else f"the limit was {limit_mb:.0f} MB")
-    return (f"out of memory at micro-batch {micro_batch}: {death['how']} ({death['evidence']}). "
+    when = f" {phase['text']}" if phase else ""
+    return (f"out of memory{when} at micro-batch {micro_batch}: {death['how']} ({death['evidence']}). "
             f"Likely cause: activations grow with micro_batch x seq_len; {predicted}. Fix: halve "
             f"train.micro_batch and raise train.accum to keep the global batch, or turn on train.recompute")
 
@@ -279,15 +354,15 @@ def loss_scale_trace(finite, scale: float, factor: int, window: int) -> list[flo
 
 def halve_until_fits(probe, start: int, minimum: int = 1) -> list[dict]:
     """The seed's recipe: try `start`, halve on an out-of-memory death until a micro-batch fits. `probe(mb)`
-    returns a `train_capped`-style dict. Any death other than out-of-memory stops the search (halving cannot
-    fix it)."""
+    returns a `train_capped`-style dict. Any death other than out-of-memory, and an out-of-memory death before
+    any step ran (compiling the graph, building the model), stops the search: halving cannot fix those."""
     if start < minimum:
         raise LabkitError(f"start micro-batch {start} is below the minimum {minimum}")
     tried, mb = [], start
     while mb >= minimum:
         r = probe(mb)
         tried.append(r)
-        if r["fits"] or r["death"]["out_of_memory"] is False:
+        if r["fits"] or r["death"]["out_of_memory"] is False or r.get("phase", {}).get("phase") in ("compile", "setup"):
             break
         mb //= 2
     return tried
