@@ -211,6 +211,12 @@ def print_table(r: dict):
         print(f"\ntop operators, {name}:")
         for row in table[:10]:
             print(f"  {row['op'][:48]:48} {row['ms_per_step']:9.2f} ms/step {row['share']:7.1%}")
+    for kind, rows in r.get("account", {}).items():
+        print(f"\nwhere {kind} loses to PyTorch fp32 (operator time, ms per step; profiled steps run slower):")
+        print(f"  {'group':28} {'MindSpore':>10} {'PyTorch':>10} {'gap':>9}   MindSpore's largest operators")
+        for row in rows:
+            print(f"  {row['group']:28} {row['mindspore_ms']:10.1f} {row['torch_ms']:10.1f} {row['gap_ms']:+9.1f}   "
+                  f"{row['mindspore_ops'][:60]}")
 
 
 def worker(argv: list[str]) -> int:
@@ -246,7 +252,8 @@ def profiles(a) -> dict:
             got = in_fresh_process(*job)
             out[name] = got["profile"] if name == "torch" else got
         except RuntimeError as e:
-            out[name] = [{"op": f"profile failed: {str(e)[-200:]}", "ms_per_step": 0.0, "share": 0.0}]
+            out[name] = {"table": [{"op": f"profile failed: {str(e)[-200:]}", "ms_per_step": 0.0, "share": 0.0}],
+                         "times_ms": {}, "steps": 1}
     return out
 
 
@@ -281,7 +288,11 @@ def main(argv=None) -> int:
             print(f"round {rnd + 1}/{a.rounds} {col} done", file=sys.stderr)
     result = summarise(a, runs, peaks)
     if a.profile:
-        result["profile"] = profiles(a)
+        from labkit.training.profile import account
+
+        profs = profiles(a)
+        result["profile"] = {name: p["table"] for name, p in profs.items()}
+        result["account"] = {kind: account(profs[kind], profs["torch"]) for kind in ("mindspore_native", "mindspore_custom")}
     bad = {k: v for k, v in result.items() if k.endswith("_mfu") and not 0 < v <= 1}
     assert not bad, f"impossible MFU {bad}: a GEMM peak is under-measured"
     if a.json:

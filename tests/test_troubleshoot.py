@@ -34,3 +34,44 @@ def test_at_equal_tokens_only_the_attention_scores_shrink():
     scores = cfg.num_layers * cfg.num_heads * (128 * 128 * 8 - 64 * 64 * 16) * 4 / 2**20
     assert diff == pytest.approx(scores, rel=1e-9)
     assert planner_activations_mb(cfg, 128, 16) == pytest.approx(2 * planner_activations_mb(cfg, 128, 8), rel=1e-9)
+
+
+def test_account_lines_up_the_two_frameworks_group_by_group():
+    from labkit.training.profile import account, torch_group
+
+    assert torch_group("aten::mm") == "matmul" and torch_group("aten::_fused_adamw_") == "optimizer"
+    assert torch_group("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (fused)"
+    ms = {"times_ms": {"MatMul": 300.0, "Mul": 120.0, "ReduceSum": 60.0, "AdamWeightDecay": 30.0}, "steps": 3}
+    pt = {"times_ms": {"aten::mm": 270.0, "aten::mul": 30.0, "aten::sum": 15.0, "aten::_fused_adamw_": 15.0,
+                       "aten::_scaled_dot_product_flash_attention_for_cpu": 30.0}, "steps": 3}
+    rows = account(ms, pt)
+    by = {r["group"]: r for r in rows}
+    assert by["element-wise"]["gap_ms"] == pytest.approx(30.0) and by["attention (fused)"]["gap_ms"] == pytest.approx(-10.0)
+    assert rows[0]["group"] == "element-wise" and rows[-1]["group"] == "total"
+    assert by["total"]["gap_ms"] == pytest.approx((510 - 360) / 3)
+
+
+def test_torch_groups_cover_a_real_training_step():
+    """A real torch.profiler run of a small training step (linear layers, SiLU, cross-entropy, clipping, AdamW):
+    the names the profiler reports must fall into the groups, or the account would put them all in "other"."""
+    import torch
+
+    from labkit.training.profile import op_groups, profile_torch, torch_group
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 512))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 64), torch.randint(0, 512, (256,))
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+
+    step()
+    prof = profile_torch(step, steps=3)
+    rows = {r["group"]: r for r in op_groups(prof["times_ms"], prof["steps"], torch_group)}
+    assert rows["matmul"]["ms_per_step"] > 0
+    assert rows.get("other", {"share": 0.0})["share"] < 0.2, rows.get("other")

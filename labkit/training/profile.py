@@ -39,22 +39,79 @@ OP_GROUPS = {
                      "Sin", "Cos", "Abs", "Sign", "Reciprocal", "Erf", "Tanh", "IsFinite", "Less", "Greater",
                      "Equal", "LessEqual", "GreaterEqual", "LogicalAnd", "LogicalNot", "Floor", "FloorDiv",
                      "AddExt", "SubExt", "Muls", "Adds", "ZerosLike", "OnesLike", "Fill", "Fills"),
+    "custom kernels": ("Custom",),  # labkit's C++ operators (train.kernels: custom): RMSNorm, SwiGLU
 }
 
 
-def op_groups(times_ms: dict[str, float], steps: int) -> list[dict]:
-    """Rows {group, ms_per_step, share, ops} over OP_GROUPS, largest first; unlisted operator types are "other"."""
-    of = {op: group for group, ops in OP_GROUPS.items() for op in ops}
+# The same groups for PyTorch's operator names (aten::<name>, self CPU time). PyTorch fuses attention on CPU into one
+# kernel (scaled-dot-product attention: the two matmuls and the softmax), its own group; MindSpore's attention shows
+# as BatchMatMul plus the softmax's element-wise and reduction kernels.
+TORCH_OP_GROUPS = {
+    "matmul": ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear"),
+    "attention (fused)": ("_scaled_dot_product_flash_attention_for_cpu",
+                          "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "optimizer": ("_fused_adamw_", "_fused_adamw", "_foreach_mul_", "_foreach_add_", "_foreach_addcmul_",
+                  "_foreach_addcdiv_", "_foreach_sqrt", "_foreach_div_", "_foreach_lerp_", "_foreach_mul",
+                  "_foreach_div", "_foreach_add", "_foreach_norm", "_foreach_sub", "_foreach_neg"),
+    "reduction / softmax / loss": ("sum", "mean", "max", "amax", "norm", "linalg_vector_norm", "_log_softmax",
+                                   "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
+                                   "nll_loss2d_forward", "_softmax", "_softmax_backward_data", "logsumexp"),
+    "data movement": ("copy_", "cat", "index", "index_select", "embedding_dense_backward", "transpose", "clone",
+                      "_to_copy", "to", "contiguous", "fill_", "zero_", "empty", "empty_strided", "slice",
+                      "select", "expand", "view", "reshape", "as_strided", "stack", "index_put_", "scatter_add_",
+                      "_unsafe_view", "t", "permute", "unsqueeze", "squeeze", "masked_fill", "masked_fill_"),
+    "element-wise": ("mul", "mul_", "add", "add_", "sub", "sub_", "div", "div_", "neg", "pow", "rsqrt", "sqrt",
+                     "exp", "silu", "silu_backward", "sigmoid", "cos", "sin", "reciprocal", "clamp", "clamp_min",
+                     "where", "lt", "gt", "eq", "ne", "ge", "le", "abs", "mul_scalar", "lerp_", "addcmul_",
+                     "addcdiv_", "tanh", "pow_", "sqrt_", "minimum", "maximum"),
+}
+
+
+def mindspore_group(op: str) -> str:
+    return _MS_OF.get(op, "other")
+
+
+def torch_group(op: str) -> str:
+    if op.startswith("Optimizer."):  # anything run inside optimizer.step() / zero_grad() (see profile_torch)
+        return "optimizer"
+    return _TORCH_OF.get(op.split("::", 1)[-1], "other")
+
+
+_MS_OF = {op: group for group, ops in OP_GROUPS.items() for op in ops}
+_TORCH_OF = {op: group for group, ops in TORCH_OP_GROUPS.items() for op in ops}
+
+
+def op_groups(times_ms: dict[str, float], steps: int, group_of=mindspore_group) -> list[dict]:
+    """Rows {group, ms_per_step, share, ops} by `group_of` (MindSpore's names by default, `torch_group` for
+    PyTorch's), largest first; unlisted operator types are "other"."""
     sums: dict[str, float] = {}
     members: dict[str, list[str]] = {}
     for op, ms in times_ms.items():
-        g = of.get(op, "other")
+        g = group_of(op)
         sums[g] = sums.get(g, 0.0) + ms
         members.setdefault(g, []).append(op)
     total = sum(sums.values()) or 1.0
     return [{"group": g, "ms_per_step": ms / steps, "share": ms / total,
              "ops": ", ".join(sorted(members[g], key=lambda o: -times_ms[o])[:6])}
             for g, ms in sorted(sums.items(), key=lambda kv: -kv[1])]
+
+
+def account(mindspore: dict, torch: dict) -> list[dict]:
+    """Where MindSpore's step loses to PyTorch's, group by group: rows {group, mindspore_ms, torch_ms, gap_ms}
+    (milliseconds per step, gap = MindSpore - PyTorch), largest gap first, then a "total" row. Each argument is a
+    profile {"times_ms": {op: total ms}, "steps": n} as `profile_labkit` / `profile_torch` return it."""
+    ms_rows = {r["group"]: r for r in op_groups(mindspore["times_ms"], mindspore["steps"])}
+    pt_rows = {r["group"]: r for r in op_groups(torch["times_ms"], torch["steps"], torch_group)}
+    rows = []
+    for g in set(ms_rows) | set(pt_rows):
+        a, b = ms_rows.get(g, {}), pt_rows.get(g, {})
+        rows.append({"group": g, "mindspore_ms": a.get("ms_per_step", 0.0), "torch_ms": b.get("ms_per_step", 0.0),
+                     "mindspore_ops": a.get("ops", ""), "torch_ops": b.get("ops", "")})
+    for r in rows:
+        r["gap_ms"] = r["mindspore_ms"] - r["torch_ms"]
+    rows.sort(key=lambda r: -r["gap_ms"])
+    total = {k: sum(r[k] for r in rows) for k in ("mindspore_ms", "torch_ms", "gap_ms")}
+    return rows + [{"group": "total", **total, "mindspore_ops": "", "torch_ops": ""}]
 
 
 def mindspore_op_times(folder) -> dict[str, float]:
@@ -68,8 +125,9 @@ def mindspore_op_times(folder) -> dict[str, float]:
 
 
 def profile_labkit(preset: str, micro_batch: int, seq_len: int, kernels: str = "native", steps: int = 3,
-                   warmup: int = WARMUP_STEPS, config: str = "configs/tiny_cpu.yaml") -> list[dict]:
-    """Top operators of labkit's MindSpore training step (float32, no accumulation) over `steps` steady steps."""
+                   warmup: int = WARMUP_STEPS, config: str = "configs/tiny_cpu.yaml") -> dict:
+    """Profile of labkit's MindSpore training step (float32, no accumulation) over `steps` steady steps:
+    {table, times_ms, steps} (see `profile_trainer`)."""
     from labkit.config import load_run_config
     from labkit.training.trainer import Trainer
 
@@ -80,7 +138,8 @@ def profile_labkit(preset: str, micro_batch: int, seq_len: int, kernels: str = "
             "train.peak_tflops=1", "train.amp_level=O0", f"train.kernels={kernels}"])
         trainer = Trainer(cfg, log=lambda m: None)
         trainer.run()  # compile and warm-up, outside the profile
-        return profile_trainer(trainer, steps)["table"]
+        prof = profile_trainer(trainer, steps)
+        return {k: prof[k] for k in ("table", "times_ms", "steps")}
 
 
 def profile_trainer(trainer, steps: int = 3, top: int = 15) -> dict:
@@ -100,12 +159,23 @@ def profile_trainer(trainer, steps: int = 3, top: int = 15) -> dict:
             "history": trainer.history[-steps:]}
 
 
-def profile_torch(step, steps: int = 3) -> list[dict]:
-    """Top operators (self CPU time) of `steps` calls of `step()` under torch.profiler."""
+def profile_torch(step, steps: int = 3) -> dict:
+    """Profile (self CPU time by operator) of `steps` calls of `step()` under torch.profiler: {table, times_ms,
+    steps}."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    times = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
-    return table(times, steps)
+    times: dict[str, float] = {}
+    for e in prof.events():  # PyTorch's AdamW on CPU runs as plain mul_/lerp_/addcdiv_ kernels: keep them apart
+        if e.self_cpu_time_total <= 0:
+            continue
+        key, parent = e.name, e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer."):
+                key = f"{parent.name.split('#')[0]}/{e.name}"
+                break
+            parent = parent.cpu_parent
+        times[key] = times.get(key, 0.0) + e.self_cpu_time_total / 1e3
+    return {"table": table(times, steps), "times_ms": times, "steps": steps}
