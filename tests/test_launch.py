@@ -8,15 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from labkit.launch import launcher as launch
 from labkit.launch import supervisor
 from labkit.launch import validate
-from labkit.model import shapes
-from labkit.config import load_run_config, model_preset
+from labkit.config import load_run_config
 from labkit.errors import LabkitError
 from labkit.paths import ROOT
 
