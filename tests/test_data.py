@@ -197,11 +197,33 @@ def test_loader_refuses_too_few_samples(built):
         loader.make_loader(out, 2, seed=0, dp_size=2, dp_rank=2)
 
 
-def test_shard_balance_is_exact_for_packed_samples(built):
+def test_shard_balance_counts_the_arrays_each_rank_receives(built):
     stats, out = built
-    r = loader.check_shard_balance(out, micro_batch=2, dp_size=2, accum=2, steps=stats["n_samples"] // 8 + 5, seed=0)
-    assert r["tokens_per_rank"][0] == r["tokens_per_rank"][1] and r["max_imbalance"] == 0
+    mb, dp, accum, steps = 2, 2, 2, stats["n_samples"] // 8 + 5  # crosses an epoch boundary
+    r = loader.check_shard_balance(out, micro_batch=mb, dp_size=dp, accum=accum, steps=steps, seed=0)
+    assert r["tokens_per_rank"] == [steps * mb * accum * stats["sample_len"]] * dp and r["max_imbalance"] == 0
+    # document ends: the EOS counts the build recorded per sample, summed over the samples the order contract assigns
+    sample_docs = np.load(out / "sample_docs.npy")
+    spe = stats["n_samples"] // (mb * dp * accum)
+    for rank in range(dp):
+        plan = np.concatenate([loader.rank_indices(stats["n_samples"], mb, seed=0, epoch=e, dp_size=dp, dp_rank=rank,
+                                                   accum=accum) for e in range(-(-steps // spe))])[:steps]
+        assert r["documents_per_rank"][rank] == int(sample_docs[plan.ravel()].sum())
     assert sum(r["documents_per_rank"]) > 0
+
+
+def test_shard_balance_sees_a_rank_that_receives_less(built, monkeypatch):
+    stats, out = built
+    real = loader.make_loader
+
+    def short_rank1(*args, dp_rank=0, **kwargs):  # rank 1's arrays lose their last token
+        for x in real(*args, dp_rank=dp_rank, **kwargs):
+            yield x[:, :-1] if dp_rank == 1 else x
+
+    monkeypatch.setattr(loader, "make_loader", short_rank1)
+    r = loader.check_shard_balance(out, micro_batch=2, dp_size=2, accum=1, steps=5, seed=0)
+    assert r["tokens_per_rank"] == [5 * 2 * stats["sample_len"], 5 * 2 * (stats["sample_len"] - 1)]
+    assert r["max_imbalance"] > 0
 
 
 # --------------------------------------------------------------------------------- cache and CLI

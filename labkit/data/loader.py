@@ -82,19 +82,24 @@ def make_loader(dataset_dir, micro_batch: int, *, seed: int, dp_size: int = 1, d
 
 def check_shard_balance(dataset_dir, micro_batch: int, dp_size: int, accum: int, steps: int, seed: int,
                         shuffle: bool = True) -> dict:
-    """Tokens (and document ends) each data-parallel rank reads over `steps` optimizer steps.
-    Packed samples all hold seq_len + 1 tokens, so tokens per rank are exactly equal; documents per rank are not."""
-    stats = read_stats(dataset_dir)
-    n, sample_len = stats["n_samples"], stats["sample_len"]
-    spe = check_layout(n, micro_batch, dp_size, 0, accum)
-    sample_docs = np.load(lab_path(dataset_dir) / "sample_docs.npy")
+    """Tokens and document ends (EOS tokens) each data-parallel rank actually receives over `steps` optimizer steps,
+    counted in the arrays `make_loader` yields for every dp_rank (the path training reads), not inferred from the
+    index plan. Packed samples all hold seq_len + 1 tokens, so tokens per rank should be equal; documents are not."""
+    eos_id = read_stats(dataset_dir).get("eos_id")
+    if steps < 1:
+        raise LabkitError(f"steps {steps} must be at least 1")
     tokens, docs = [], []
     for r in range(dp_size):
-        idx = [rank_indices(n, micro_batch, seed=seed, epoch=e, dp_size=dp_size, dp_rank=r, accum=accum,
-                            shuffle=shuffle) for e in range(-(-steps // spe))]
-        sel = np.concatenate(idx)[:steps].ravel()
-        tokens.append(int(sel.size * sample_len))
-        docs.append(int(sample_docs[sel].sum()))
+        it = make_loader(dataset_dir, micro_batch, seed=seed, dp_size=dp_size, dp_rank=r, accum=accum,
+                         shuffle=shuffle)
+        n_tok = n_doc = 0
+        for _ in range(steps * accum):
+            x = next(it)
+            n_tok += int(x.size)
+            n_doc += int(np.count_nonzero(x == eos_id)) if eos_id is not None else 0
+        it.close()  # ends the MindDataset pipeline of this rank
+        tokens.append(n_tok)
+        docs.append(n_doc)
 
     def imbalance(v):
         return (max(v) - min(v)) / max(np.mean(v), 1e-9)
