@@ -308,7 +308,8 @@ def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
     rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], -r["dp"]))
     best, memory = rows[0], place.memory_gib
     if not best["fits"]:
-        raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device: {best['why_not']} "
+        raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device (device_memory_gib): "
+                          f"{best['why_not']} "
                           f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
                           f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
                           f"{best['optimizer_shard']})",
