@@ -177,6 +177,21 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
     assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
 
 
+def test_mindformers_reads_the_planned_global_batch(plan8, tmp_path):
+    """mindformers' own trainer code derives the global batch from the YAML: with and without pipeline stages
+    (micro_batch_num against gradient_accumulation_steps), and a YAML edited by hand reads differently."""
+    with_pp = next(r for r in plan8["strategies"] if r["pp"] > 1)
+    without = next(r for r in plan8["strategies"] if r["pp"] == 1 and r["accum"] > 1)
+    for i, pick in enumerate((with_pp, without)):
+        f = tmp_path / f"plan{i}.yaml"
+        f.write_text(mf_yaml.mindformers_parallel_yaml(pick), encoding="utf-8")
+        assert mf_yaml.mindformers_global_batch(f) == pick["micro_batch"] * pick["dp"] * pick["accum"]
+    doc = yaml.safe_load(f.read_text(encoding="utf-8"))
+    doc["runner_config"]["batch_size"] *= 3
+    f.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    assert mf_yaml.mindformers_global_batch(f) == 3 * without["micro_batch"] * without["dp"] * without["accum"]
+
+
 def _yaml_as_once_written(s: dict, parallel_mode: int, search_mode: str, sequence_parallel: bool) -> str:
     """The text mindformers_parallel_yaml wrote with f-strings before it became a mapping dumped by safe_dump."""
     b = lambda v: "True" if v else "False"  # noqa: E731

@@ -52,3 +52,41 @@ def mindformers_parallel_yaml(strategy: dict, **options) -> str:
             "# enable_parallel_optimizer: shard optimizer states (and weights) over dp; micro_batch_num: pipeline\n"
             "# micro-batches per step (>= pipeline_stage); runner_config.batch_size: per device and micro-step\n")
     return head + yaml.safe_dump(doc, sort_keys=False)
+
+
+# mindformers computes the global batch in its trainer (BaseTrainer._check_global_batch_size_for_auto_parallel),
+# from the context MindSpore has and the YAML it reads. Running that very method on a YAML this module wrote is an
+# independent reading of it. It sets MindSpore's auto-parallel context, so it runs in a child process; the method is
+# private to mindformers 1.9 (pinned), which is why it is called in one place only.
+_GLOBAL_BATCH_CHILD = """
+import sys, types
+import mindspore as ms
+from mindformers import MindFormerConfig
+from mindformers.trainer.base_trainer import BaseTrainer
+
+cfg = MindFormerConfig(sys.argv[1])
+pp = cfg.parallel_config.pipeline_stage or 1
+mode = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel"}[cfg.parallel.parallel_mode]
+ms.set_auto_parallel_context(parallel_mode=mode, full_batch=bool(cfg.parallel.full_batch), pipeline_stages=pp)
+cfg.micro_batch_interleave_num = cfg.micro_batch_interleave_num or 1
+trainer = types.SimpleNamespace(config=cfg, get_pipeline_stages=lambda: pp, _reset_wrapper_for_pipeline_parallel=lambda: None)
+BaseTrainer._check_global_batch_size_for_auto_parallel(trainer)
+print("labkit global_batch:", trainer.global_batch_size)
+"""
+
+
+def mindformers_global_batch(yaml_path, timeout: float = 300) -> int:
+    """The global batch mindformers' own trainer derives from the parallel YAML at `yaml_path` (data_parallel x
+    batch_size x micro-steps, as its BaseTrainer computes it), read in a child process."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _GLOBAL_BATCH_CHILD, str(yaml_path)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "GLOG_v": "3"})
+    line = next((x for x in p.stdout.splitlines() if x.startswith("labkit global_batch:")), None)
+    if p.returncode or line is None:
+        raise LabkitError(f"mindformers could not read the global batch of {yaml_path} (exit {p.returncode}): "
+                          f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else 'no output'}",
+                          "check the YAML's parallel, parallel_config and runner_config sections")
+    return int(line.split(":")[1])
