@@ -187,7 +187,8 @@ def summarise(a, runs: dict, peaks: dict) -> dict:
     res["ratio"] = res["ms_tokens_per_s"] / res["torch_tokens_per_s"]
     res["custom_ratio"] = res["ms_custom_tokens_per_s"] / res["torch_tokens_per_s"]
     isa = cpu_matrix_isa()
-    res["machine"] = f"{isa['model']}, {os.cpu_count()} cores ({isa['summary']}); shared with other users"
+    # the 1-minute load average before the first run: near 0 on a quiet machine, above the core count when others ran
+    res["machine"] = f"{isa['model']}, {os.cpu_count()} cores ({isa['summary']}); load average {a.load_before:.1f} at start"
     res["cpu_matrix_isa"] = isa["matrix_isa"]
     return res
 
@@ -280,6 +281,7 @@ def main(argv=None) -> int:
     if a.steps <= WARMUP_STEPS + 2:
         raise SystemExit(f"--steps must exceed the {WARMUP_STEPS} warm-up steps by at least 3")
     ensure_dataset(a.seq_len)  # build once, outside the timed runs
+    a.load_before = os.getloadavg()[0]
     peaks = {"ms": in_fresh_process("ms-gemm"), "torch": in_fresh_process("torch-gemm")}
     runs: dict[str, list] = {c: [] for c in COLUMNS}
     for rnd in range(a.rounds):
