@@ -195,6 +195,7 @@ class ModelConfig:
     eos_token_id: int = 2
     pad_token_id: int = 0
     init_std: float = 0.02  # std of the normal init; output projections are scaled by 1/sqrt(2*num_layers)
+    scale_residual_init: bool = True  # that 1/sqrt(2*num_layers) on attention.wo and feed_forward.w2; false: init_std
 
     def validate(self, where: str = ""):
         _positive(self, where, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
