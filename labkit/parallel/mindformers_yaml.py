@@ -62,11 +62,12 @@ _GLOBAL_BATCH_CHILD = """
 import sys, types
 import mindspore as ms
 from mindformers import MindFormerConfig
+from mindformers.tools.utils import PARALLEL_MODE
 from mindformers.trainer.base_trainer import BaseTrainer
 
 cfg = MindFormerConfig(sys.argv[1])
 pp = cfg.parallel_config.pipeline_stage or 1
-mode = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel"}[cfg.parallel.parallel_mode]
+mode = PARALLEL_MODE[cfg.parallel.parallel_mode]  # mindformers' own reading of the YAML's integer
 ms.set_auto_parallel_context(parallel_mode=mode, full_batch=bool(cfg.parallel.full_batch), pipeline_stages=pp)
 cfg.micro_batch_interleave_num = cfg.micro_batch_interleave_num or 1
 trainer = types.SimpleNamespace(config=cfg, get_pipeline_stages=lambda: pp, _reset_wrapper_for_pipeline_parallel=lambda: None)
