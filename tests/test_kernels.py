@@ -1,5 +1,6 @@
-"""The lab's C++ RMSNorm operator equals mindformers' native cell (values and gradients), its build cache is
-keyed by the CPU, and a machine without a compiler falls back to the native cells with one notice."""
+"""The lab's C++ RMSNorm, SwiGLU and cross-entropy operators equal mindformers' native cells (values and
+gradients), their build cache is keyed by the CPU, and a machine without a compiler falls back to the native cells
+with one notice."""
 from __future__ import annotations
 
 import numpy as np
@@ -141,6 +142,100 @@ def test_custom_swiglu_equals_native_values_and_gradients():
     want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
     got = swiglu_op()(ms.Tensor(g), ms.Tensor(u)).asnumpy()
     assert close(want, got) and not close(g * u, got)
+
+
+def loss_pair():
+    """Two mindformers `CrossEntropyLoss` cells, each the `loss` attribute of a cell as in `LlamaForCausalLM`."""
+    from mindspore import nn
+
+    from labkit.logs import quiet_mindformers
+
+    quiet_mindformers()
+    from mindformers.core.loss.loss import CrossEntropyLoss
+
+    class Head(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.loss = CrossEntropyLoss()
+
+        def construct(self, logits, labels, mask):
+            return self.loss(logits, labels, mask)
+
+    return Head(), Head()
+
+
+def xent_value_and_grad(net, logits, labels, mask):
+    import mindspore as ms
+
+    value, dlogits = ms.jit(ms.value_and_grad(net, 0))(logits, labels, mask)
+    return value.asnumpy(), dlogits.asnumpy()
+
+
+def test_custom_cross_entropy_equals_native_loss_and_logit_gradient():
+    """[64, 4096] logits, a quarter of the rows masked; among the labels an ignore index (-100) and V (one past
+    the vocabulary), masked and unmasked: mindformers' one-hot row of such a label is all zeros (loss 0, gradient
+    softmax * dloss) and the custom operator does the same, so even the unmasked ones agree.
+    Tolerance: every row sums V = 4096 exponentials in another order (vectorised partial sums) with a polynomial exp
+    of ~2e-7 relative error; float32 rounding of a sum of n terms grows like sqrt(n) * 6e-8 (~4e-6 at n = 4096)
+    relative on the sum, i.e. absolute on its log, and the loss is ~10. RTOL = 1e-5 of the largest value covers
+    both, and a gradient without the one-hot term (a plausible kernel bug) is ~1/sum(mask) off at every label."""
+    import mindspore as ms
+
+    from labkit.model.kernels.xent import custom_cell_class, use_custom_cross_entropy, xent_op
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    rng = np.random.default_rng(3)
+    n, v = 64, 4096
+    x = rng.normal(0, 3, (n, v)).astype(np.float32)
+    t = rng.integers(0, v, n).astype(np.int32)
+    t[[0, 5]], t[[1, 6]] = -100, v  # rows 0, 1 masked below, rows 5, 6 not
+    mask = (rng.random(n) > 0.25).astype(np.float32)
+    mask[[0, 1]], mask[[5, 6]] = 0, 1
+    native, custom = loss_pair()
+    assert use_custom_cross_entropy(custom) == 1
+    assert type(custom.loss) is custom_cell_class() and custom.loss.custom_xent is xent_op()
+    args = (ms.Tensor(x), ms.Tensor(t), ms.Tensor(mask))
+    ln, dn = xent_value_and_grad(native, *args)
+    lc, dc = xent_value_and_grad(custom, *args)
+    assert lc.shape == ln.shape and float(lc[0]) == pytest.approx(float(ln[0]), rel=RTOL)
+    assert close(dn, dc)
+    assert np.all(dc[mask == 0] == 0), "masked rows get no gradient"
+    # the plausible bug the tolerance must catch: the gradient without the one-hot term
+    rows = np.flatnonzero((mask == 1) & (t >= 0) & (t < v))
+    no_onehot = dc.copy()
+    no_onehot[rows, t[rows]] += 1 / mask.sum()
+    assert not close(dn, no_onehot)
+    # the operator alone against the float64 formula: logsumexp - x[label], 0 for a label outside [0, V)
+    x64 = x.astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) + x64.max(1)
+    want = np.where((t >= 0) & (t < v), lse - x64[np.arange(n), np.clip(t, 0, v - 1)], 0)
+    got = xent_op()(ms.Tensor(x), ms.Tensor(t)).asnumpy()
+    assert close(want, got)
+
+
+def test_switched_loss_runs_the_custom_operator_and_keeps_parallel_cells_native():
+    """A -inf logit (a vocabulary entry ruled out) makes mindformers' log-softmax -inf and its one-hot product
+    0 * -inf = NaN; the custom kernel's exponential of -inf is 0 and the loss stays finite: the switched cell
+    really calls the operator. A cell that returns numerator and denominator (per-token loss) is not switched."""
+    import mindspore as ms
+
+    from labkit.model.kernels.xent import use_custom_cross_entropy
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    rng = np.random.default_rng(4)
+    x = rng.normal(0, 3, (8, 64)).astype(np.float32)
+    x[2, 7] = -np.inf
+    t, mask = rng.integers(8, 64, 8).astype(np.int32), np.ones(8, np.float32)
+    native, custom = loss_pair()
+    args = (ms.Tensor(x), ms.Tensor(t), ms.Tensor(mask))
+    assert np.isnan(native(*args).asnumpy()).all()
+    use_custom_cross_entropy(custom)
+    x64 = np.where(np.isinf(x), -1e30, x).astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) + x64.max(1)
+    assert float(custom(*args).asnumpy()[0]) == pytest.approx((lse - x64[np.arange(8), t]).mean(), rel=RTOL)
+    per_token, _ = loss_pair()
+    per_token.loss.calculate_per_token_loss = True
+    assert use_custom_cross_entropy(per_token) == 0 and type(per_token.loss).__name__ == "CrossEntropyLoss"
 
 
 @pytest.mark.slow
