@@ -111,6 +111,21 @@ def test_no_compiler_keeps_native_cells_with_one_notice(monkeypatch):
         rmsnorm.rms_norm_op.cache_clear()
 
 
+def test_no_compiler_keeps_the_native_cross_entropy_with_one_notice(monkeypatch):
+    from labkit.model.kernels import xent
+
+    monkeypatch.setattr(xent, "build", lambda name: None)
+    xent.xent_op.cache_clear()
+    try:
+        head, _ = loss_pair()
+        notices = []
+        assert xent.use_custom_cross_entropy(head, log=notices.append) == 0
+        assert len(notices) == 1 and "no C++ compiler" in notices[0]
+        assert type(head.loss).__name__ == "CrossEntropyLoss"
+    finally:
+        xent.xent_op.cache_clear()
+
+
 def test_custom_swiglu_equals_native_values_and_gradients():
     import mindspore as ms
 
