@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.labkit-installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export GLOG_v ?= 3
 export TQDM_MININTERVAL ?= 5
+# pytest workers for `make test`: 2 suits 2 cores (each worker trains MindSpore models with ~2 GB of memory)
+TEST_WORKERS ?= 2
 
 .PHONY: run test lab venv clean
 
@@ -25,7 +27,7 @@ run: $(STAMP)
 	$(BIN)/labkit run $(ARGS)
 
 test: $(STAMP)
-	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
+	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/

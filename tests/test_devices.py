@@ -82,9 +82,13 @@ def test_gemm_peak_agrees_with_another_library():
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     for _ in range(3):
         torch.matmul(a, b, out=c)
-    best = min(_timed(lambda: torch.matmul(a, b, out=c)) for _ in range(10))
-    torch_flops = 2 * n**3 / best
-    ms_flops = measure_gemm_peak(n=n, repeats=10)
+    # interleaved rounds, best of each: whatever else loads the machine (the suite runs on two workers) slows
+    # both libraries' rounds alike instead of one library's whole measurement
+    torch_best, ms_flops = float("inf"), 0.0
+    for _ in range(4):
+        torch_best = min(torch_best, *(_timed(lambda: torch.matmul(a, b, out=c)) for _ in range(5)))
+        ms_flops = max(ms_flops, measure_gemm_peak(n=n, repeats=3))
+    torch_flops = 2 * n**3 / torch_best
     assert ms_flops < 1.5 * torch_flops, (ms_flops / 1e9, torch_flops / 1e9)
 
 
