@@ -19,13 +19,14 @@ int64_t numel(int ndim, const int64_t *shape) {
 }
 
 // sigmoid(g) from e = exp(-|g|) <= 1, never exp of a large positive number: 1 / (1 + e) for g >= 0, e / (1 + e)
-// below. Both branches are computed and one is picked (a blend, no branch), so the loop stays vectorised. For
-// |g| > 87.3 e is clamped at ~1.2e-38: sigmoid is exactly 1 above and ~1e-38 (a float32 "0") below; g = +-1e4
-// gives no Inf and no NaN, where 1 / (1 + exp(-g)) needs exp(1e4) = Inf.
+// below. Both branches are computed and one is picked (a blend, no branch), so the loop stays vectorised. Past
+// |g| = 87.3 e is clamped at ~1.2e-38: sigmoid is exactly 1 above, and below it is set to 0 (the true value is
+// under 1.2e-38), so silu(g) = g * 0 = -0 as in the native cells even for g = -3e38, where the clamped e would
+// leave g * 1.2e-38 ~ -3.6. No Inf and no NaN for any finite g.
 inline float sigmoid(float g) {
   const float e = exp_nonpositive(g < 0.f ? g : -g);
   const float r = 1.f / (1.f + e);
-  return g >= 0.f ? r : e * r;
+  return g >= 0.f ? r : (g < -87.3f ? 0.f : e * r);
 }
 
 bool all_float32(int nparam, const char **dtypes) {
@@ -63,7 +64,7 @@ extern "C" int SwiGluBackward(int nparam, void **params, int *ndims, int64_t **s
   for (int64_t i = 0; i < n; ++i) {
     const float s = sigmoid(g[i]);
     du[i] = d[i] * g[i] * s;
-    dg[i] = d[i] * u[i] * s * (1.f + g[i] * (1.f - s));
+    dg[i] = (d[i] * u[i]) * (s * (1.f + g[i] * (1.f - s)));  // no product of d, u, s alone: it can underflow
   }
   return 0;
 }
