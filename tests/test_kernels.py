@@ -96,6 +96,33 @@ def test_cache_is_keyed_by_cpu_compiler_and_source(tmp_path, monkeypatch):
     assert kbuild.cache_key(kbuild.SOURCES / "rmsnorm.cc", cxx) != key, "another CPU never reuses this binary"
 
 
+def test_cache_key_covers_the_headers_the_kernels_include(tmp_path, monkeypatch):
+    """swiglu.cc and xent.cc include fast_exp.h: editing it is a new key and a new build, never the stale binary.
+    Done on a copy of the sources (SOURCES monkeypatched), so the real files are never touched."""
+    import shutil
+
+    from labkit.errors import LabkitFailure
+
+    src = tmp_path / "src"
+    shutil.copytree(kbuild.SOURCES, src, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    assert (src / "fast_exp.h").is_file() and '#include "fast_exp.h"' in (src / "swiglu.cc").read_text()
+    monkeypatch.setattr(kbuild, "SOURCES", src)
+    cxx = kbuild.compiler()
+    key = kbuild.cache_key(src / "swiglu.cc", cxx)
+    assert key == kbuild.cache_key(kbuild.SOURCES / "swiglu.cc", cxx)
+    lib = kbuild.build("swiglu", cache=tmp_path / "cache")
+    assert lib.parent.name == key
+    header = (src / "fast_exp.h").read_text()
+    (src / "fast_exp.h").write_text(header + "// edited\n")
+    assert kbuild.cache_key(src / "swiglu.cc", cxx) != key, "an edited header changes the key"
+    (src / "fast_exp.h").write_text(header)
+    assert kbuild.cache_key(src / "swiglu.cc", cxx) == key
+    # the build really compiles against the edited header: a broken one fails instead of reusing `lib`
+    (src / "fast_exp.h").write_text(header.replace("inline float exp_nonpositive", "#error edited header\ninline float exp_nonpositive"))
+    with pytest.raises(LabkitFailure, match="edited header"):
+        kbuild.build("swiglu", cache=tmp_path / "cache")
+
+
 def test_no_compiler_keeps_native_cells_with_one_notice(monkeypatch):
     from labkit.model.kernels import rmsnorm
 
@@ -157,6 +184,67 @@ def test_custom_swiglu_equals_native_values_and_gradients():
     want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
     got = swiglu_op()(ms.Tensor(g), ms.Tensor(u)).asnumpy()
     assert close(want, got) and not close(g * u, got)
+
+
+def silu_tolerances(g, u, d, s):
+    """Element-wise bounds on |float32 result - float64 result| for silu(g) * u and its gradients, from float32
+    rounding: unit roundoff r = 2^-24; exp_nonpositive is within 1.4 r, and each of out, du, dg takes at most ~6
+    more roundings, so 8 r of the magnitude of the terms. dg = d u s (1 + g (1 - s)): its terms are 1 and
+    |g (1 - s)|, and 1 - s cancels for g > 0 (absolute error ~r while e^-g > r, i.e. g < ln 2^24 ~ 17; past that s
+    rounds to 1 and the dropped g e^-g is below r): hence min(|g|, 17). The sigmoid of g < -87.3 is 0 (the
+    exponential is clamped there) instead of a value below 1.2e-38 < 2^-125: an absolute term 2^-125 times the
+    other factors. MindSpore's CPU threads run with flush-to-zero (a result below the smallest normal float
+    2^-126 comes back as 0, as measured): an absolute 2^-126 on every result."""
+    r, tiny = 2.0**-24, 2.0**-125
+    silu = g * s
+    out = 8 * r * np.abs(silu * u) + tiny * np.abs(g * u) + 2.0**-126
+    du = 8 * r * np.abs(silu * d) + tiny * np.abs(g * d) + 2.0**-126
+    dg = (8 * r * np.abs(d * u * s) * (1 + np.abs(g * (1 - s)) + np.minimum(np.abs(g), 17))
+          + tiny * np.abs(d * u) * (1 + np.abs(g)) + 2.0**-126)
+    return out, du, dg
+
+
+def test_custom_swiglu_is_stable_for_huge_gates():
+    """Gates of +-100 and +-1e4 (exp(1e4) overflows float32) and the exponential's clamp at -87.3: the operator and
+    its gradient against the float64 formula, element by element, within silu_tolerances; no NaN or Inf. The
+    plain float32 formula 1 / (1 + exp(-g)) (the native cells') meets the same bounds, and a sigmoid with the
+    g < 0 branch dropped (1 / (1 + exp(-|g|)) everywhere) is far outside them."""
+    import mindspore as ms
+
+    from labkit.model.kernels.swiglu import swiglu_op
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    rng = np.random.default_rng(5)
+    special = [0.0, -0.0, 1e-30, -1e-30, 1.0, -1.0, -1.28, 16.0, 17.0, 20.0, -20.0, 87.0, -87.0, 87.3, -87.3,
+               88.0, -88.0, 90.0, -90.0, 100.0, -100.0, 1e4, -1e4, 3e38, -3e38]
+    g = np.concatenate([special, rng.normal(0, 3, 512 - 2 * len(special)), rng.normal(0, 40, len(special))])
+    g = g.astype(np.float32).reshape(8, 64)
+    u, d = (rng.normal(0, 1, g.shape).astype(np.float32) for _ in range(2))
+    op, dout = swiglu_op(), ms.Tensor(d)
+
+    def weighted(a, b):
+        return (op(a, b) * dout).sum()
+
+    out = op(ms.Tensor(g), ms.Tensor(u)).asnumpy()
+    dg, du = ms.jit(ms.grad(weighted, (0, 1)))(ms.Tensor(g), ms.Tensor(u))
+    dg, du = dg.asnumpy(), du.asnumpy()
+    g64, u64, d64 = (x.astype(np.float64) for x in (g, u, d))
+    s64 = np.exp(-np.logaddexp(0, -g64))  # sigmoid without overflow
+    want = (g64 * s64 * u64, d64 * g64 * s64, d64 * u64 * s64 * (1 + g64 * (1 - s64)))
+    tol = silu_tolerances(g64, u64, d64, s64)
+    for got in (out, du, dg):
+        assert np.all(np.isfinite(got[np.abs(g) < 1e38])), "finite for every gate short of float32's edge"
+    for name, got, w, t in zip(("out", "du", "dg"), (out, du, dg), want, tol):
+        bad = np.abs(got - w) > t
+        assert not bad.any(), f"{name}: g={g[bad][:5]} got={got[bad][:5]} want={w[bad][:5]}"
+    for gate in (-100.0, -1e4, -3e38):  # silu(g) u ~ -0, as the native cells give
+        assert abs(out[0, special.index(gate)]) <= 1e-35 and abs(dg[0, special.index(gate)]) <= 1e-35
+    # the bounds hold the native float32 formula too, and catch a sigmoid without its g < 0 branch
+    with np.errstate(over="ignore"):
+        s32 = np.float32(1) / (np.float32(1) + np.exp(-g))
+    assert np.all(np.abs(g * s32 * u - want[0]) <= tol[0])
+    s_wrong = 1 / (1 + np.exp(-np.abs(g64)))
+    assert np.any(np.abs(g64 * s_wrong * u64 - want[0]) > tol[0])
 
 
 def loss_pair():

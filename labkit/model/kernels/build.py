@@ -3,7 +3,8 @@
 A kernel is built with `g++ -O3 -march=native -fopenmp-simd -shared -fPIC` (MindSpore's own auto-compile of a `.cc`
 path passes no `-O` flag, and an unoptimised kernel loses most of the gain). `-march=native` code may use
 instructions another CPU lacks (AVX-512 on one machine, AVX2 on the next), so the cache folder is keyed by the
-source text, the compiler's version, the flags and this CPU's model name and feature flags: a copied `runs/`
+source text and every header beside it (`#include "fast_exp.h"`: an edited header is a new build, never a stale
+binary), the compiler's version, the flags and this CPU's model name and feature flags: a copied `runs/`
 folder or a shared file system makes a new build instead of crashing with an illegal instruction.
 """
 from __future__ import annotations
@@ -50,10 +51,18 @@ def compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.strip()
 
 
+def headers(source: Path) -> list[Path]:
+    """The headers a kernel may include: every `*.h` in its folder (all of them, not a parse of the #include
+    lines: a header including another is covered too), sorted by name."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def cache_key(source: Path, cxx: str) -> str:
     h = hashlib.sha256()
-    for part in (source.read_bytes(), compiler_version(cxx).encode(), " ".join(FLAGS).encode(),
-                 cpu_identity().encode()):
+    texts = [source.read_bytes()]
+    for header in headers(source):
+        texts += [header.name.encode(), header.read_bytes()]
+    for part in (*texts, compiler_version(cxx).encode(), " ".join(FLAGS).encode(), cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]

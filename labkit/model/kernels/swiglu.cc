@@ -3,9 +3,12 @@
 //   backward: dgate = dout * up * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  dup = dout * silu(g)
 // gate, up, dout, out, dgate, dup all have the same shape; every tensor is contiguous float32.
 // Single-threaded and vectorised, like rmsnorm.cc (no OpenMP team competing with MindSpore's pool threads).
-#include <cmath>
+// The sigmoid uses fast_exp.h's exp_nonpositive, which `#pragma omp simd` vectorises (std::exp stays one scalar
+// libm call per element without -ffast-math).
 #include <cstdint>
 #include <cstring>
+
+#include "fast_exp.h"
 
 namespace {
 
@@ -13,6 +16,17 @@ int64_t numel(int ndim, const int64_t *shape) {
   int64_t n = 1;
   for (int i = 0; i < ndim; ++i) n *= shape[i];
   return n;
+}
+
+// sigmoid(g) from e = exp(-|g|) <= 1, never exp of a large positive number: 1 / (1 + e) for g >= 0, e / (1 + e)
+// below. Both branches are computed and one is picked (a blend, no branch), so the loop stays vectorised. Past
+// |g| = 87.3 e is clamped at ~1.2e-38: sigmoid is exactly 1 above, and below it is set to 0 (the true value is
+// under 1.2e-38), so silu(g) = g * 0 = -0 as in the native cells even for g = -3e38, where the clamped e would
+// leave g * 1.2e-38 ~ -3.6. No Inf and no NaN for any finite g.
+inline float sigmoid(float g) {
+  const float e = exp_nonpositive(g < 0.f ? g : -g);
+  const float r = 1.f / (1.f + e);
+  return g >= 0.f ? r : (g < -87.3f ? 0.f : e * r);
 }
 
 bool all_float32(int nparam, const char **dtypes) {
@@ -32,7 +46,7 @@ extern "C" int SwiGluForward(int nparam, void **params, int *ndims, int64_t **sh
   float *out = static_cast<float *>(params[2]);
   const int64_t n = numel(ndims[0], shapes[0]);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] * sigmoid(g[i]) * u[i];
   return 0;
 }
 
@@ -48,9 +62,9 @@ extern "C" int SwiGluBackward(int nparam, void **params, int *ndims, int64_t **s
   const int64_t n = numel(ndims[0], shapes[0]);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.f / (1.f + std::exp(-g[i]));
+    const float s = sigmoid(g[i]);
     du[i] = d[i] * g[i] * s;
-    dg[i] = d[i] * u[i] * s * (1.f + g[i] * (1.f - s));
+    dg[i] = (d[i] * u[i]) * (s * (1.f + g[i] * (1.f - s)));  // no product of d, u, s alone: it can underflow
   }
   return 0;
 }

@@ -5,12 +5,13 @@
 // Inputs are logits [N, V], labels [N] and, for the backward, dloss [N]; every tensor is contiguous.
 // A label outside [0, V) (an ignore index such as -100) is handled as mindformers' CrossEntropyLoss does: its
 // one-hot row is all zeros, so the loss is 0 and the gradient is softmax * dloss (the mask then multiplies both
-// away). Single-threaded and vectorised, like rmsnorm.cc. The exponential is a Cephes-style polynomial written
-// inline so that `#pragma omp simd` vectorises it (g++ leaves std::exp as one scalar libm call per element without
-// -ffast-math, 10x slower here): relative error below 8.4e-8 (under one float32 ulp) over every float in [-87, 0].
+// away). Single-threaded and vectorised, like rmsnorm.cc. The exponential is fast_exp.h's exp_nonpositive (a
+// polynomial `#pragma omp simd` vectorises; std::exp stays one scalar libm call per element without -ffast-math).
 #include <cmath>
 #include <cstdint>
 #include <cstring>  // strcmp
+
+#include "fast_exp.h"
 
 namespace {
 
@@ -26,25 +27,6 @@ bool shapes_ok(int first_rows, int nparam, const int *ndims, int64_t *const *sha
   for (int i = first_rows; i < nparam; ++i)
     if (ndims[i] != 1 || shapes[i][0] != shapes[0][0]) return false;
   return true;
-}
-
-// exp(x) for x <= 0 (the row max is subtracted first), clamped at -87.3 (exp = 1.2e-38: the smallest normal float
-// times ~1, nothing against a row sum >= 1). Written so that g++ vectorises it without -ffast-math: no std::floor
-// (a scalar call there), n rounded to nearest by adding and subtracting 1.5 * 2^23, 2^n built from its bits.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.3f ? -87.3f : x;
-  const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;  // x = n ln2 + r, |r| <= ln2 / 2
-  float r = xc - n * 0.693359375f;                                         // ln2 in two parts (Cody-Waite)
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126: a normal float
-  return e * __builtin_bit_cast(float, bits);
 }
 
 inline float row_max(const float *x, int64_t v) {
