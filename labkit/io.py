@@ -82,6 +82,22 @@ def _umask() -> int:
     return mask
 
 
+def _new_tmp(dst: Path, overwrite: bool) -> Path:
+    if dst.exists() and not overwrite:
+        raise LabkitError(f"output directory {dst} already exists", "choose another --output or delete it first")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{dst.name}-", dir=dst.parent))
+    except OSError as e:
+        raise (disk_error(e, dst) or e) from None
+
+
+def check_output_dir(dst: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse at once, before any slow work, what `atomic_dir(dst, overwrite)` would refuse at the end of it: an
+    existing `dst` without overwrite, or a parent folder that cannot be written (read-only, full, no permission)."""
+    os.rmdir(_new_tmp(Path(dst), overwrite))
+
+
 @contextmanager
 def atomic_dir(dst: str | os.PathLike, overwrite: bool = False):
     """Yield a temporary directory beside `dst`; rename it to `dst` only when the block finishes.
@@ -91,13 +107,7 @@ def atomic_dir(dst: str | os.PathLike, overwrite: bool = False):
     old one is then deleted: a crash at any moment leaves the complete old or the complete new folder at `dst`.
     Where the filesystem cannot exchange, the old `dst` is moved aside (`.old-*`) just before the rename."""
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise LabkitError(f"output directory {dst} already exists", "choose another --output or delete it first")
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dst.name}-", dir=dst.parent))
-    except OSError as e:
-        raise (disk_error(e, dst) or e) from None
+    tmp = _new_tmp(dst, overwrite)
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp

@@ -202,10 +202,9 @@ def verify_files(directory) -> dict:
 # -------------------------------------------------------------------------------------------- loading
 
 
-def load(path, impl: str = "hf"):
-    """Load a tokenizer directory with one implementation: `hf` (AutoTokenizer, fast where it exists), `hf-slow`
-    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer). The files are checked first
-    (labkit.data.tokenizer_files): an implementation that cannot read the directory's family is refused with why."""
+def check_files(path, impl: str = "hf") -> Path:
+    """The tokenizer directory, after checking from its files alone (no library imported, so it answers at once)
+    that `impl` can read it; LabkitError naming the directory, the file and the fix otherwise."""
     from labkit.data.tokenizer_files import check_loadable
 
     if impl not in IMPLS:
@@ -216,6 +215,14 @@ def load(path, impl: str = "hf"):
                           "point at a tokenizer directory (e.g. data/tokenizer, or train one with "
                           "`labkit tokenizer train`)")
     check_loadable(d, impl)
+    return d
+
+
+def load(path, impl: str = "hf"):
+    """Load a tokenizer directory with one implementation: `hf` (AutoTokenizer, fast where it exists), `hf-slow`
+    (AutoTokenizer use_fast=False) or `mindformers` (mindformers' LlamaTokenizer). The files are checked first
+    (labkit.data.tokenizer_files): an implementation that cannot read the directory's family is refused with why."""
+    d = check_files(path, impl)
     try:
         tok = _load_checked(d, impl)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
@@ -284,6 +291,9 @@ def _first_diff(a: list, b: list) -> int:
 def compare(a, b, texts, *, a_impl: str = "hf", b_impl: str = "hf", max_examples: int = 10) -> dict:
     """Encode every text with both tokenizers (directories or loaded tokenizers) and report every disagreement:
     input_ids, attention_mask, vocab size and the bos/eos/pad/unk table. `aligned` only when all agree."""
+    for side, impl in ((a, a_impl), (b, b_impl)):  # both refusals before either (slow) load
+        if isinstance(side, (str, os.PathLike)):
+            check_files(side, impl)
     tok_a = load(a, a_impl) if isinstance(a, (str, os.PathLike)) else a
     tok_b = load(b, b_impl) if isinstance(b, (str, os.PathLike)) else b
     texts = read_texts(texts) if isinstance(texts, (str, os.PathLike)) else list(texts)

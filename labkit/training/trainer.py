@@ -38,26 +38,27 @@ class Trainer:
     """Builds everything once; `run()` trains from the current step to cfg.train.steps."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, log=None):
+        self.cfg, t = cfg, cfg.train
+        self.log = log or (lambda m: print(m, file=sys.stderr))
+        self.out = Path(cfg.output_dir)
+        self.model_cfg = mcfg = cfg.model_config()
+        # the checks that need no framework come first: a refusal answers at once, not after seconds of imports
+        if cfg.data.seq_len > mcfg.max_position_embeddings:
+            raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
+                              f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
+        if resume:
+            run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
         quiet_mindformers()
         import mindspore as ms
         from mindspore import nn
 
         from labkit.data import loader
 
-        self.cfg, t = cfg, cfg.train
-        self.log = log or (lambda m: print(m, file=sys.stderr))
-        self.out = Path(cfg.output_dir)
         self.world = init_context(cfg)
         self.dp = dp_size(cfg, self.world)
         self.global_batch = check_batch(cfg, self.dp)
-        self.model_cfg = mcfg = cfg.model_config()
-        if cfg.data.seq_len > mcfg.max_position_embeddings:
-            raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
-                              f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
         checked = run_dir.check_dataset(cfg)
         self.dataset = checked.path
-        if resume:
-            run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
         self.amp = AMP_LEVELS[t.amp_level]
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                  device_target=cfg.parallel.device_target, **self.amp,

@@ -30,7 +30,7 @@ from labkit.weights.formats import (STORE, DTYPES, CkptWriter, HFSource, as_floa
                                     st_write, training_checkpoint)
 from labkit.config import ModelConfig, RunConfig, load, to_dict
 from labkit.errors import LabkitError
-from labkit.io import atomic_dir
+from labkit.io import atomic_dir, check_output_dir
 from labkit.paths import lab_path
 from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table
 from labkit.model.shapes import expected_hf_shapes, num_params
@@ -147,6 +147,7 @@ def hf2ms(src: str | Path, dst: str | Path, dtype: str | None = None, overwrite:
     if dtype is not None and dtype not in DTYPES:
         raise LabkitError(f"--dtype {dtype} is not supported", f"use one of {', '.join(DTYPES)}")
     t0 = time.perf_counter()
+    check_output_dir(dst, overwrite)  # before mindformers' import below: a refusal answers at once
     source = open_hf(src)
     cfg = model_config_from_hf(source.config, name=Path(src).resolve().name)
     steps = _plan(source, cfg)
