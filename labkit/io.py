@@ -221,9 +221,25 @@ class OutputLock:
             f"{self.path}", "wait for that run to end, or choose another --output; if that process is gone "
             f"(another machine crashed), delete {self.path}")
 
+    def _held_by(self, h: dict) -> str:
+        """'us' (this process or the launcher that started it), 'other' (a live writer) or 'stale'."""
+        import socket
+
+        same_host = h.get("host") == socket.gethostname()
+        if same_host and h.get("pid") in _ancestors():
+            return "us"
+        if h and (not same_host or _alive(int(h.get("pid", 0)))):
+            return "other"
+        return "stale"
+
+    def check(self) -> None:
+        """Refuse now, taking nothing, what `acquire()` would refuse: a live writer holding the folder."""
+        h = self._holder()
+        if h is not None and self._held_by(h) == "other":
+            self._refuse(h)
+
     def acquire(self) -> "OutputLock":
         import json
-        import socket
 
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -236,10 +252,10 @@ class OutputLock:
                 h = self._holder()
                 if h is None:
                     continue  # released meanwhile
-                same_host = h.get("host") == socket.gethostname()
-                if same_host and h.get("pid") in _ancestors():
+                held = self._held_by(h)
+                if held == "us":
                     return self  # held by this process or the launcher that started it
-                if h and (not same_host or _alive(int(h.get("pid", 0)))):
+                if held == "other":
                     self._refuse(h)
                 self.path.unlink(missing_ok=True)  # stale: its writer is gone
                 continue
