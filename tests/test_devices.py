@@ -56,6 +56,7 @@ def test_matrix_isa_reads_cpuinfo_flags():
     assert cpu_matrix_isa("")["matrix_isa"] == []
 
 
+@pytest.mark.alone  # a speed: measured with nothing else on the cores
 def test_gemm_peak_is_below_what_the_cores_can_do():
     """The probe (inside @ms.jit) cannot beat physics: cores x 5 GHz x FLOP per cycle of the widest FMA this CPU
     has (AVX-512: 2 units x 16 floats x 2 = 64; AVX2: 32; else 16). A peak above that is a timing bug, and an MFU
@@ -70,6 +71,7 @@ def test_gemm_peak_is_below_what_the_cores_can_do():
     assert 1e9 < measure_gemm_peak(n=512, repeats=3) < bound
 
 
+@pytest.mark.alone  # two speeds compared: a load on one and not the other would decide it
 def test_gemm_peak_agrees_with_another_library():
     """MindSpore's and PyTorch's float32 GEMMs drive the same FMA units with tuned kernels, so their best rates at
     n = 1024 on the same cores are close; the probe once timed 4 identical matmuls that the graph compiler merged
@@ -105,3 +107,4 @@ def test_doctor_shows_the_matrix_isa():
     from labkit.parallel.devices import cpu_matrix_isa
 
     assert collect_hardware()["cpu_matrix_isa"] == cpu_matrix_isa()["summary"]
+
