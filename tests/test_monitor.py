@@ -1,4 +1,5 @@
 """labkit.training.monitor: a real memory cap, an out-of-memory death told from other deaths, the leak slope."""
+import mmap
 import sys
 
 import numpy as np
@@ -48,8 +49,11 @@ def test_leak_monitor_flags_memory_kept_every_step_and_not_a_flat_loop():
         mon = M.LeakMonitor(skip=2, threshold_mb_per_step=1.0)
         for step in range(1, 21):
             scratch = np.ones(2**20)  # 8 MB allocated and freed every step, as a healthy loop does
-            if leak_mb:
-                kept.append(np.ones(leak_mb * 2**20 // 8))  # pages touched, so resident
+            if leak_mb:  # fresh pages straight from the kernel, touched: resident whatever the allocator already
+                # holds (a process that ran other tests first can serve np.ones from freed, still-resident heap)
+                page = np.frombuffer(mmap.mmap(-1, leak_mb * 2**20), np.uint8)
+                page[:] = 1
+                kept.append(page)
             mon({"step": step})
             del scratch
         rep = mon.report()
