@@ -3,13 +3,13 @@
 `make test` runs pytest-xdist with `--dist loadfile`: every file (a test module, or a notebook whose cells must run
 in order in one kernel) goes to one worker as a whole. The longest files start first, so that the workers finish
 together instead of one of them starting a four-minute notebook at the end (longest-first scheduling). The list is
-measured (`--durations`), longest first; a file not in it keeps its place after these."""
+measured (`--durations`), longest first; a file not in it keeps its place after these. Tests marked `alone`
+(speed measurements and time bounds) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
 LONGEST_FIRST = (
     "notebooks/04_single_card.ipynb",
     "notebooks/08_troubleshooting.ipynb",
-    "tests/test_multinode.py",
     "notebooks/05_data_parallel.ipynb",
     "tests/test_bad_inputs.py",
     "tests/test_faults.py",
