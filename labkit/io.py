@@ -232,12 +232,6 @@ class OutputLock:
             return "other"
         return "stale"
 
-    def check(self) -> None:
-        """Refuse now, taking nothing, what `acquire()` would refuse: a live writer holding the folder."""
-        h = self._holder()
-        if h is not None and self._held_by(h) == "other":
-            self._refuse(h)
-
     def acquire(self) -> "OutputLock":
         import json
 

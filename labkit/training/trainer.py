@@ -48,7 +48,6 @@ class Trainer:
                               f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
         if resume:
             run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
-        OutputLock(self.out, 0, "labkit train").check()  # run() takes it; a live writer is refused now
         quiet_mindformers()
         import mindspore as ms
         from mindspore import nn
