@@ -24,8 +24,8 @@ import pytest
 from labkit.course import pretrain
 from labkit.paths import ROOT
 
-# alone: the fault drills hold a time bound (both nodes end within FAULT_LIMIT_S of a death), which must not depend on
-# what else loads the machine; beside the other pytest worker node 0 once took over 90 s to end
+# alone: the fault drills hold a wall-clock bound (both nodes end within FAULT_LIMIT_S of a death), which must not
+# depend on what else loads the machine, so `make test` runs this file after the parallel phase
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STEPS = 8  # the fault drill kills node 1 after step 3; checkpoints every 2 steps
