@@ -221,19 +221,9 @@ class OutputLock:
             f"{self.path}", "wait for that run to end, or choose another --output; if that process is gone "
             f"(another machine crashed), delete {self.path}")
 
-    def _held_by(self, h: dict) -> str:
-        """'us' (this process or the launcher that started it), 'other' (a live writer) or 'stale'."""
-        import socket
-
-        same_host = h.get("host") == socket.gethostname()
-        if same_host and h.get("pid") in _ancestors():
-            return "us"
-        if h and (not same_host or _alive(int(h.get("pid", 0)))):
-            return "other"
-        return "stale"
-
     def acquire(self) -> "OutputLock":
         import json
+        import socket
 
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -246,10 +236,10 @@ class OutputLock:
                 h = self._holder()
                 if h is None:
                     continue  # released meanwhile
-                held = self._held_by(h)
-                if held == "us":
+                same_host = h.get("host") == socket.gethostname()
+                if same_host and h.get("pid") in _ancestors():
                     return self  # held by this process or the launcher that started it
-                if held == "other":
+                if h and (not same_host or _alive(int(h.get("pid", 0)))):
                     self._refuse(h)
                 self.path.unlink(missing_ok=True)  # stale: its writer is gone
                 continue
