@@ -123,34 +123,37 @@ def test_cache_key_covers_the_headers_the_kernels_include(tmp_path, monkeypatch)
         kbuild.build("swiglu", cache=tmp_path / "cache")
 
 
-def test_no_compiler_keeps_native_cells_with_one_notice(monkeypatch):
-    from labkit.model.kernels import rmsnorm
+def feed_forward():
+    import mindspore as ms
 
-    monkeypatch.setattr(rmsnorm, "build", lambda name: None)
-    rmsnorm.rms_norm_op.cache_clear()
+    from labkit.logs import quiet_mindformers
+
+    quiet_mindformers()
+    from mindformers.models.llama.llama_layer import LlamaFeedForward
+
+    return LlamaFeedForward(128, intermediate_size=352, compute_dtype=ms.float32)
+
+
+@pytest.mark.parametrize("kernel, op, switch, model", [
+    ("rmsnorm", "rms_norm_op", "use_custom_rms_norm", lambda: pair(layers=2)[0]),
+    ("swiglu", "swiglu_op", "use_custom_swiglu", feed_forward),
+    ("xent", "xent_op", "use_custom_cross_entropy", lambda: loss_pair()[0]),
+])
+def test_no_compiler_keeps_native_cells_with_one_notice(monkeypatch, kernel, op, switch, model):
+    import importlib
+
+    module = importlib.import_module(f"labkit.model.kernels.{kernel}")
+    monkeypatch.setattr(module, "build", lambda name: None)
+    getattr(module, op).cache_clear()
     try:
-        native, _ = pair(layers=2)
+        net = model()
+        before = [type(c).__name__ for _, c in net.cells_and_names()]
         notices = []
-        assert rmsnorm.use_custom_rms_norm(native, log=notices.append) == 0
+        assert getattr(module, switch)(net, log=notices.append) == 0
         assert len(notices) == 1 and "no C++ compiler" in notices[0]
-        assert all(type(c).__name__ == "LlamaRMSNorm" for c in native.norms)
+        assert [type(c).__name__ for _, c in net.cells_and_names()] == before
     finally:
-        rmsnorm.rms_norm_op.cache_clear()
-
-
-def test_no_compiler_keeps_the_native_cross_entropy_with_one_notice(monkeypatch):
-    from labkit.model.kernels import xent
-
-    monkeypatch.setattr(xent, "build", lambda name: None)
-    xent.xent_op.cache_clear()
-    try:
-        head, _ = loss_pair()
-        notices = []
-        assert xent.use_custom_cross_entropy(head, log=notices.append) == 0
-        assert len(notices) == 1 and "no C++ compiler" in notices[0]
-        assert type(head.loss).__name__ == "CrossEntropyLoss"
-    finally:
-        xent.xent_op.cache_clear()
+        getattr(module, op).cache_clear()
 
 
 def test_custom_swiglu_equals_native_values_and_gradients():

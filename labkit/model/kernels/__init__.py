@@ -21,5 +21,5 @@ def use_custom_kernels(model, log=None) -> dict:
         (log or (lambda m: print(m, file=sys.stderr)))(
             "kernels: no C++ compiler found (g++/c++ or $CXX); MindSpore's native operators run instead")
         return {"rms_norm": 0, "swiglu": 0, "cross_entropy": 0}
-    return {"rms_norm": use_custom_rms_norm(model, log), "swiglu": use_custom_swiglu(model),
+    return {"rms_norm": use_custom_rms_norm(model, log), "swiglu": use_custom_swiglu(model, log),
             "cross_entropy": use_custom_cross_entropy(model, log)}

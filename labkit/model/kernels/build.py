@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,23 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def switch_cells(model, op, what: str, matches, cls, attach, log=None) -> int:
+    """Give every cell of `model` for which `matches(cell)` holds the class `cls` (a subclass whose construct calls
+    the custom operator `op`), after `attach(cell)` has set what that construct needs; returns how many. When `op`
+    is None (no C++ compiler) nothing changes and one line says that `what` runs MindSpore's native operators."""
+    if op is None:
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"kernels: no C++ compiler found (g++/c++ or $CXX); {what} runs MindSpore's native operators")
+        return 0
+    n = 0
+    for _, cell in model.cells_and_names():
+        if matches(cell):
+            attach(cell)
+            cell.__class__ = cls
+            n += 1
+    return n
 
 
 def cpu_identity() -> str:

@@ -9,9 +9,8 @@ input's dtype. tests/test_kernels.py holds it equal to the native cell, values a
 from __future__ import annotations
 
 import functools
-import sys
 
-from labkit.model.kernels.build import build
+from labkit.model.kernels.build import build, switch_cells
 
 @functools.lru_cache(maxsize=1)
 def rms_norm_op():
@@ -57,16 +56,10 @@ def use_custom_rms_norm(model, log=None) -> int:
     import mindspore as ms
     from mindformers.models.llama.llama_layer import LlamaRMSNorm
 
+    def attach(cell):
+        cell.custom_norm = op
+        cell.eps_tensor = ms.Tensor(np.array([cell.eps], np.float32))
+
     op = rms_norm_op()
-    if op is None:
-        (log or (lambda m: print(m, file=sys.stderr)))(
-            "kernels: no C++ compiler found (g++/c++ or $CXX); RMSNorm runs MindSpore's native operators")
-        return 0
-    cls, n = custom_cell_class(), 0
-    for _, cell in model.cells_and_names():
-        if type(cell) is LlamaRMSNorm and cell.self_define:
-            cell.__class__ = cls
-            cell.custom_norm = op
-            cell.eps_tensor = ms.Tensor(np.array([cell.eps], np.float32))
-            n += 1
-    return n
+    return switch_cells(model, op, "RMSNorm", lambda c: type(c) is LlamaRMSNorm and c.self_define,
+                        custom_cell_class(), attach, log)

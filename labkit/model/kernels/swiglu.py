@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from labkit.model.kernels.build import build
+from labkit.model.kernels.build import build, switch_cells
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,20 +47,19 @@ def custom_cell_class():
     return CustomFeedForward
 
 
-def use_custom_swiglu(model) -> int:
+def use_custom_swiglu(model, log=None) -> int:
     """Switch every plain (not concatenated, not fused, no experts) `LlamaFeedForward` whose w1 applies SiLU to
-    the custom operator; returns how many were switched (0 when no C++ compiler is found)."""
+    the custom operator; returns how many were switched (0, with a one-line notice, when no C++ compiler is
+    found)."""
     from mindformers.models.llama.llama_layer import LlamaFeedForward, LlamaSiLU
 
+    def matches(cell):
+        return (type(cell) is LlamaFeedForward and not cell.ffn_concat and not cell.use_fused_swiglu
+                and cell.expert_num == 1 and isinstance(cell.w1.activation, LlamaSiLU))
+
+    def attach(cell):
+        cell.custom_swiglu = op
+        cell.w1.activation_flag = False
+
     op = swiglu_op()
-    if op is None:
-        return 0
-    cls, n = custom_cell_class(), 0
-    for _, cell in model.cells_and_names():
-        if (type(cell) is LlamaFeedForward and not cell.ffn_concat and not cell.use_fused_swiglu
-                and cell.expert_num == 1 and isinstance(cell.w1.activation, LlamaSiLU)):
-            cell.__class__ = cls
-            cell.custom_swiglu = op
-            cell.w1.activation_flag = False
-            n += 1
-    return n
+    return switch_cells(model, op, "SwiGLU", matches, custom_cell_class(), attach, log)

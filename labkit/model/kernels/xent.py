@@ -12,9 +12,8 @@ the native cell, values and gradients.
 from __future__ import annotations
 
 import functools
-import sys
 
-from labkit.model.kernels.build import build
+from labkit.model.kernels.build import build, switch_cells
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,17 +63,13 @@ def use_custom_cross_entropy(model, log=None) -> int:
     import mindspore as ms
     from mindformers.core.loss.loss import CrossEntropyLoss
 
+    def matches(cell):
+        return (type(cell) is CrossEntropyLoss and not cell.enable_force_redistribute
+                and not cell.calculate_per_token_loss and not cell.seq_pipe and not cell.need_monitor)
+
+    def attach(cell):
+        cell.custom_xent = op
+        cell.eps_tensor = ms.Tensor(np.array([1e-8], np.float32))  # mindformers' 1e-8, shape (1,) too
+
     op = xent_op()
-    if op is None:
-        (log or (lambda m: print(m, file=sys.stderr)))(
-            "kernels: no C++ compiler found (g++/c++ or $CXX); the cross-entropy runs MindSpore's native operators")
-        return 0
-    cls, n = custom_cell_class(), 0
-    for _, cell in model.cells_and_names():
-        if (type(cell) is CrossEntropyLoss and not cell.enable_force_redistribute
-                and not cell.calculate_per_token_loss and not cell.seq_pipe and not cell.need_monitor):
-            cell.__class__ = cls
-            cell.custom_xent = op
-            cell.eps_tensor = ms.Tensor(np.array([1e-8], np.float32))  # mindformers' 1e-8, shape (1,) too
-            n += 1
-    return n
+    return switch_cells(model, op, "the cross-entropy", matches, custom_cell_class(), attach, log)
