@@ -19,6 +19,27 @@ def quiet_mindformers_console() -> None:
                     h.setLevel(logging.ERROR)
 
 
+@contextlib.contextmanager
+def _torch_not_imported():
+    """Importing mindformers imports PyTorch (~1.5 s per process) through tensorboardX, which tries `import torch`
+    only to accept torch tensors in its writer; a MindSpore process never passes one. While mindformers imports,
+    `import torch` fails at once (a None entry in sys.modules), and afterwards it works as before. scipy.stats is
+    imported first: nltk imports it inside the window, and its import-time docs ask whether arrays are torch's.
+    One lasting effect: `datasets` (imported by mindformers) records torch as unavailable, so its torch output
+    format is off in such a process; the lab never asks datasets for torch tensors."""
+    if "torch" in sys.modules:  # already there (a notebook that converted weights): nothing to save
+        yield
+        return
+    import scipy.stats  # noqa: F401
+
+    sys.modules["torch"] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+
+
 def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
     """Send mindformers' file logs under runs/ instead of ./output and keep its console to errors.
 
@@ -28,7 +49,7 @@ def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
     os.environ.setdefault("LOG_MF_PATH", str(log_dir or RUNS / "logs" / "mindformers"))
     if "mindformers" in sys.modules and getattr(quiet_mindformers, "done", False):
         return
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), _torch_not_imported():
         import mindformers  # noqa: F401
     quiet_mindformers_console()
     quiet_mindformers.done = True
