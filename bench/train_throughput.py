@@ -120,7 +120,7 @@ def torch_gemm_worker(sizes=(1024, 2048), seconds: float = 1.5, per_run: int = 4
 def ms_gemm_worker(sizes=(1024, 2048)) -> dict:
     from labkit.parallel.devices import measure_gemm_peak
 
-    return {"fp32": max(measure_gemm_peak(n) for n in sizes)}
+    return {"fp32": max(measure_gemm_peak(n, seconds=1.5) for n in sizes)}
 
 
 def ms_train(preset: str, steps: int, micro_batch: int, seq_len: int, kernels: str, out: Path) -> dict:
