@@ -11,6 +11,7 @@ LONGEST_FIRST = (
     "notebooks/04_single_card.ipynb",
     "notebooks/08_troubleshooting.ipynb",
     "notebooks/05_data_parallel.ipynb",
+    "tests/test_multinode.py",
     "tests/test_bad_inputs.py",
     "tests/test_faults.py",
     "tests/test_ui.py",

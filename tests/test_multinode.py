@@ -24,9 +24,9 @@ import pytest
 from labkit.course import pretrain
 from labkit.paths import ROOT
 
-# alone: the fault drills hold a wall-clock bound (both nodes end within FAULT_LIMIT_S of a death), which must not
-# depend on what else loads the machine, so `make test` runs this file after the parallel phase
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+# The fault drills hold a wall-clock bound (both nodes end within FAULT_LIMIT_S of a death). It rests on MindSpore's
+# heartbeat timeout, not on CPU speed, so the file runs in `make test`'s parallel phase beside other tests.
+pytestmark = pytest.mark.slow
 
 STEPS = 8  # the fault drill kills node 1 after step 3; checkpoints every 2 steps
 CONFIG = "configs/dp2_cpu.yaml"  # micro_batch 4 per worker, global batch 8
