@@ -1,4 +1,4 @@
-"""The lab's C++ RMSNorm, SwiGLU and cross-entropy operators equal mindformers' native cells (values and
+"""The lab's C++ RMSNorm, SwiGLU, RoPE and cross-entropy operators equal mindformers' native cells (values and
 gradients), their build cache is keyed by the CPU, and a machine without a compiler falls back to the native cells
 with one notice."""
 from __future__ import annotations
@@ -137,6 +137,7 @@ def feed_forward():
 @pytest.mark.parametrize("kernel, op, switch, model", [
     ("rmsnorm", "rms_norm_op", "use_custom_rms_norm", lambda: pair(layers=2)[0]),
     ("swiglu", "swiglu_op", "use_custom_swiglu", feed_forward),
+    ("rope", "rope_op", "use_custom_rope", lambda: rope_pair()[0]),
     ("xent", "xent_op", "use_custom_cross_entropy", lambda: loss_pair()[0]),
 ])
 def test_no_compiler_keeps_native_cells_with_one_notice(monkeypatch, kernel, op, switch, model):
@@ -248,6 +249,90 @@ def test_custom_swiglu_is_stable_for_huge_gates():
     assert np.all(np.abs(g * s32 * u - want[0]) <= tol[0])
     s_wrong = 1 / (1 + np.exp(-np.abs(g64)))
     assert np.any(np.abs(g64 * s_wrong * u64 - want[0]) > tol[0])
+
+
+def rope_pair(seq=64, head_dim=32):
+    """Two cells that rotate query and key as mindformers' Llama attention does on CPU (`use_rope_slice=True`, the
+    tables from its own `FreqsMgr`)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from labkit.logs import quiet_mindformers
+
+    quiet_mindformers()
+    from mindformers.modules.layers import FreqsMgr, RotaryEmbedding
+
+    class Rotate(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.freqs = FreqsMgr(head_dim, seq_length=seq, max_position_embedding=seq, rotary_dtype=ms.float32)
+            self.rope = RotaryEmbedding(head_dim, ms.float32, use_rope_slice=True)
+
+        def construct(self, q, k):
+            return self.rope(q, k, self.freqs(seq))
+
+    return Rotate(), Rotate()
+
+
+def test_custom_rope_equals_native_values_and_gradients():
+    """Query [2, 4, 64, 32] and key [2, 2, 64, 32] (grouped KV heads): the rotated tensors and the gradients of a
+    weighted sum with respect to both. Also the operator alone against the float64 formula, and its gradient
+    against the transposed rotation; a backward that applied the forward rotation again would fail it."""
+    import mindspore as ms
+
+    from labkit.model.kernels.rope import rope_op, use_custom_rope
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    native, custom = rope_pair()
+    assert use_custom_rope(custom) == 1
+    rng = np.random.default_rng(4)
+    q, k, dq, dk = (ms.Tensor(rng.normal(0, 1, shape).astype(np.float32))
+                    for shape in ((2, 4, 64, 32), (2, 2, 64, 32)) * 2)
+
+    def run(net):
+        def weighted(a, b):
+            qo, ko = net(a, b)
+            return (qo * dq).sum() + (ko * dk).sum()
+
+        gq, gk = ms.jit(ms.grad(weighted, (0, 1)))(q, k)
+        return [t.asnumpy() for t in (*net(q, k), gq, gk)]
+
+    for a, b in zip(run(native), run(custom)):
+        assert close(a, b)
+    # the operator alone, float64 reference: y = x cos + rot(x) sin, dx = dy cos + rot^T(dy sin)
+    x, dy = rng.normal(0, 1, (3, 16, 32)), rng.normal(0, 1, (3, 16, 32))
+    ang = rng.uniform(-np.pi, np.pi, (16, 32))
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def rot(v):
+        return np.concatenate([-v[..., 16:], v[..., :16]], axis=-1)
+
+    def rot_t(v):
+        return np.concatenate([v[..., 16:], -v[..., :16]], axis=-1)
+
+    f32 = [ms.Tensor(v.astype(np.float32)) for v in (x, cos, sin, dy)]
+    op = rope_op()
+    y = op(*f32[:3]).asnumpy()
+    def weighted_op(a, c, s_):
+        return (op(a, c, s_) * f32[3]).sum()
+
+    dx = ms.jit(ms.grad(weighted_op, 0))(*f32[:3]).asnumpy()
+    assert np.abs(y - (x * cos + rot(x) * sin)).max() <= 1e-6 * np.abs(x).max()
+    assert np.abs(dx - (dy * cos + rot_t(dy * sin))).max() <= 1e-6 * np.abs(dy).max()
+    assert np.abs(dx - (dy * cos + rot(dy * sin))).max() > 0.1  # the forward rotation is not its own transpose
+
+
+def test_custom_rope_refuses_tables_of_another_shape():
+    """Per-sample tables (a batch axis: B x S x D values) are not the kernel's [S, D]: MindSpore raises instead of
+    the kernel reading past the table."""
+    import mindspore as ms
+
+    from labkit.model.kernels.rope import rope_op
+
+    x = ms.Tensor(np.ones((2, 2, 8, 16), np.float32))
+    table = ms.Tensor(np.ones((2, 1, 8, 16), np.float32))
+    with pytest.raises(Exception):
+        rope_op()(x, table, table).asnumpy()
 
 
 def loss_pair():
