@@ -4,7 +4,7 @@
 in order in one kernel) goes to one worker as a whole. The longest files start first, so that the workers finish
 together instead of one of them starting a four-minute notebook at the end (longest-first scheduling). The list is
 measured (`--durations`), longest first; a file not in it keeps its place after these. Tests marked `alone`
-(speed measurements and time bounds) run afterwards in a second, single-process pytest (Makefile)."""
+(speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
 LONGEST_FIRST = (
