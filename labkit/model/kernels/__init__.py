@@ -1,6 +1,6 @@
 """The lab's own CPU kernels (C++ sources compiled on first use) and MindSpore custom operators over them:
-RMSNorm (rmsnorm.py), SwiGLU's element-wise part (swiglu.py), the rotary position embedding (rope.py) and the
-softmax cross-entropy over the logits (xent.py). `use_custom_kernels` switches a mindformers Llama to them; without a C++ compiler it leaves the native
+RMSNorm (rmsnorm.py), SwiGLU's element-wise part (swiglu.py), the rotary position embedding (rope.py), attention's
+scale + mask + softmax (attn_softmax.py) and the softmax cross-entropy over the logits (xent.py). `use_custom_kernels` switches a mindformers Llama to them; without a C++ compiler it leaves the native
 cells and says so in one line."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ KERNELS = ("native", "custom")
 
 
 def use_custom_kernels(model, log=None) -> dict:
-    """Switch the model's RMSNorm, SwiGLU, RoPE and cross-entropy cells to the custom operators; returns how many
-    of each."""
+    """Switch the model's RMSNorm, SwiGLU, RoPE, attention-softmax and cross-entropy cells to the custom operators;
+    returns how many of each."""
+    from labkit.model.kernels.attn_softmax import use_custom_attn_softmax
     from labkit.model.kernels.build import compiler
     from labkit.model.kernels.rmsnorm import use_custom_rms_norm
     from labkit.model.kernels.rope import use_custom_rope
@@ -21,6 +22,7 @@ def use_custom_kernels(model, log=None) -> dict:
     if compiler() is None:
         (log or (lambda m: print(m, file=sys.stderr)))(
             "kernels: no C++ compiler found (g++/c++ or $CXX); MindSpore's native operators run instead")
-        return {"rms_norm": 0, "swiglu": 0, "rope": 0, "cross_entropy": 0}
+        return {"rms_norm": 0, "swiglu": 0, "rope": 0, "attn_softmax": 0, "cross_entropy": 0}
     return {"rms_norm": use_custom_rms_norm(model, log), "swiglu": use_custom_swiglu(model, log),
-            "rope": use_custom_rope(model, log), "cross_entropy": use_custom_cross_entropy(model, log)}
+            "rope": use_custom_rope(model, log), "attn_softmax": use_custom_attn_softmax(model, log),
+            "cross_entropy": use_custom_cross_entropy(model, log)}
