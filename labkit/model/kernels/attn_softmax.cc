@@ -8,17 +8,11 @@
 // [B, 1, S, T], -10000 where masked), scale [1]; the backward adds p and dp. Contiguous float32 throughout.
 // Single-threaded and vectorised, like rmsnorm.cc; the exponential is fast_exp.h's (argument <= 0 after the row max).
 #include <cstdint>
-#include <cstring>
 
+#include "aot.h"
 #include "fast_exp.h"
 
 namespace {
-
-bool all_float32(int nparam, const char **dtypes) {
-  for (int i = 0; i < nparam; ++i)
-    if (std::strcmp(dtypes[i], "float32") != 0) return false;
-  return true;
-}
 
 struct Layout {
   int64_t b, h, rows, t, mask_b, mask_h;  // rows = S (query positions), t = T (key positions)

@@ -8,21 +8,10 @@
 // own pool threads, and an OpenMP team of our own would compete with the pool's threads for the same cores.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "aot.h"
 
 namespace {
-
-int64_t rows_of(int ndim, const int64_t *shape) {
-  int64_t n = 1;
-  for (int i = 0; i + 1 < ndim; ++i) n *= shape[i];
-  return n;
-}
-
-bool all_float32(int nparam, const char **dtypes) {
-  for (int i = 0; i < nparam; ++i)
-    if (std::strcmp(dtypes[i], "float32") != 0) return false;
-  return true;
-}
 
 inline float row_rstd(const float *x, int64_t h, float eps) {
   float ss = 0.f;
@@ -41,7 +30,7 @@ extern "C" int RmsNormForward(int nparam, void **params, int *ndims, int64_t **s
   const float eps = static_cast<const float *>(params[2])[0];
   float *y = static_cast<float *>(params[3]);
   const int64_t h = shapes[0][ndims[0] - 1];
-  const int64_t n = rows_of(ndims[0], shapes[0]);
+  const int64_t n = numel(ndims[0] - 1, shapes[0]);
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * h;
     float *yr = y + r * h;
@@ -63,7 +52,7 @@ extern "C" int RmsNormBackward(int nparam, void **params, int *ndims, int64_t **
   float *dx = static_cast<float *>(params[4]);
   float *dw = static_cast<float *>(params[5]);
   const int64_t h = shapes[0][ndims[0] - 1];
-  const int64_t n = rows_of(ndims[0], shapes[0]);
+  const int64_t n = numel(ndims[0] - 1, shapes[0]);
   for (int64_t j = 0; j < h; ++j) dw[j] = 0.f;
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * h, *gr = dy + r * h;

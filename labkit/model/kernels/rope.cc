@@ -6,21 +6,10 @@
 // Inputs x [B, H, S, D], cos [S, D], sin [S, D] (any leading ones), then dy for the backward; all contiguous float32.
 // Single-threaded and vectorised, like rmsnorm.cc.
 #include <cstdint>
-#include <cstring>
+
+#include "aot.h"
 
 namespace {
-
-int64_t numel(int ndim, const int64_t *shape) {
-  int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
-  return n;
-}
-
-bool all_float32(int nparam, const char **dtypes) {
-  for (int i = 0; i < nparam; ++i)
-    if (std::strcmp(dtypes[i], "float32") != 0) return false;
-  return true;
-}
 
 // forward y = x * c + rot(x) * s, backward dx = dy * c + rot^T(dy * s), written out per half:
 //   y1 = x1 * c1 - x2 * s1,  y2 = x2 * c2 + x1 * s2       (forward)

@@ -6,17 +6,11 @@
 // The sigmoid uses fast_exp.h's exp_nonpositive, which `#pragma omp simd` vectorises (std::exp stays one scalar
 // libm call per element without -ffast-math).
 #include <cstdint>
-#include <cstring>
 
+#include "aot.h"
 #include "fast_exp.h"
 
 namespace {
-
-int64_t numel(int ndim, const int64_t *shape) {
-  int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
-  return n;
-}
 
 // sigmoid(g) from e = exp(-|g|) <= 1, never exp of a large positive number: 1 / (1 + e) for g >= 0, e / (1 + e)
 // below. Both branches are computed and one is picked (a blend, no branch), so the loop stays vectorised. Past
@@ -27,12 +21,6 @@ inline float sigmoid(float g) {
   const float e = exp_nonpositive(g < 0.f ? g : -g);
   const float r = 1.f / (1.f + e);
   return g >= 0.f ? r : (g < -87.3f ? 0.f : e * r);
-}
-
-bool all_float32(int nparam, const char **dtypes) {
-  for (int i = 0; i < nparam; ++i)
-    if (std::strcmp(dtypes[i], "float32") != 0) return false;
-  return true;
 }
 
 }  // namespace
