@@ -302,7 +302,7 @@ class TrainConfig:
     init_checkpoint: str | None = None  # weights to start from (a `labkit convert hf2ms` output dir or a checkpoint)
     peak_tflops: float | None = None  # device peak for MFU (TFLOP/s); null = measure a GEMM probe at start
     mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
-    kernels: Literal["native", "custom"] = "native"  # CPU norm/SwiGLU/RoPE/attention/loss: MindSpore's or C++
+    kernels: Literal["native", "custom"] = "native"  # CPU norm/SwiGLU/RoPE/attention/loss/AdamW: MindSpore's or C++
     eval_every: int = 0  # mean loss over the validation set every N steps and at the end (0 = off)
     sample_prompts: list[str] = field(default_factory=list)  # texts continued at each evaluation (samples.jsonl)
     sample_tokens: int = 48  # new tokens per sample

@@ -81,7 +81,7 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
     no_init: build the structure without allocating weights (exact shapes and counts, ~no memory).
     seed: re-initialise with labkit's documented scheme (see `init_weights`); None keeps mindformers' init.
     kernels: "custom" runs RMSNorm, SwiGLU, RoPE, the attention softmax and the cross-entropy as C++ operators on CPU
-        (labkit.model.kernels); GPU/Ascend and "native" keep mindformers' cells.
+        (labkit.model.kernels; the trainer adds the AdamW update); GPU/Ascend and "native" keep mindformers' cells.
     """
     quiet_mindformers()
     import mindspore as ms

@@ -39,7 +39,7 @@ OP_GROUPS = {
                      "Sin", "Cos", "Abs", "Sign", "Reciprocal", "Erf", "Tanh", "IsFinite", "Less", "Greater",
                      "Equal", "LessEqual", "GreaterEqual", "LogicalAnd", "LogicalNot", "Floor", "FloorDiv",
                      "AddExt", "SubExt", "Muls", "Adds", "ZerosLike", "OnesLike", "Fill", "Fills"),
-    "custom kernels": ("Custom",),  # labkit's C++ operators (train.kernels: custom), all five
+    "custom kernels": ("Custom",),  # labkit's C++ operators (train.kernels: custom), AdamW among them
 }
 
 

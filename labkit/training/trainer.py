@@ -2,7 +2,8 @@
 
 mindformers' `Trainer` does not run on CPU (its loss-scale wrapper calls an Ascend-only operator), so this loop is
 written with `ms.value_and_grad`, `nn.AdamWeightDecay`, `ms.amp.DynamicLossScaler` and `ms.amp.all_finite` under
-`@ms.jit`. The same code runs stand-alone, under msrun (data parallel) and on Ascend/GPU.
+`@ms.jit`. The same code runs stand-alone, under msrun (data parallel) and on Ascend/GPU. With train.kernels custom
+on CPU the optimizer is its C++ subclass (labkit.model.kernels.adamw): the same update, fewer passes.
 
 Step t (0-based) consumes the global batch t of `labkit.loader.make_loader`; checkpoints store the step, so a resumed
 run reads exactly the batches the uninterrupted run would have read.
@@ -28,7 +29,7 @@ from labkit.model.shapes import flops_per_token
 from labkit.config import AMP_LEVELS, parse_recompute
 from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
-from labkit.training.step import grad_ops
+from labkit.training.step import grad_ops, update_tail
 from labkit.training.metrics import rewrite_metrics, steady, steady_throughput
 from labkit.training.monitor import LeakMonitor
 from labkit.training.tensorboard import EventWriter
@@ -79,7 +80,8 @@ class Trainer:
         params = self.model.trainable_params()
         decay = [p for p in params if len(p.shape) > 1]
         no_decay = [p for p in params if len(p.shape) <= 1]
-        self.opt = nn.AdamWeightDecay(
+        self.fused_opt = self._fused_optimizer(params)
+        self.opt = (self.fused_opt or nn.AdamWeightDecay)(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             learning_rate=WarmupCosine(t), beta1=t.beta1, beta2=t.beta2, eps=t.eps)
         self.scaler = None
@@ -107,6 +109,19 @@ class Trainer:
         p = self.cfg.parallel
         return dict(data_parallel=self.dp, model_parallel=p.mp, pipeline_stage=p.pp,
                     micro_batch_num=max(p.pp, self.cfg.train.accum), vocab_emb_dp=True)
+
+    def _fused_optimizer(self, params):
+        """The C++ AdamW class (labkit.model.kernels.adamw) when train.kernels is custom on CPU, without a sharded
+        optimizer and with float32 weights; else None (MindSpore's nn.AdamWeightDecay)."""
+        import mindspore as ms
+
+        if (self.cfg.train.kernels != "custom" or self.cfg.parallel.device_target != "CPU"
+                or self.world.mode not in ("stand_alone", "data_parallel")
+                or any(p.dtype != ms.float32 for p in params)):
+            return None
+        from labkit.model.kernels.adamw import adamw_ops, optimizer_class
+
+        return optimizer_class() if adamw_ops() is not None else None
 
     def _load_init(self, path):
         import mindspore as ms
@@ -136,6 +151,7 @@ class Trainer:
         opt, clip, accum = self.opt, self.cfg.train.grad_clip, self.cfg.train.accum
         scaled = self.scaler is not None  # all_finite and the update branch only matter under loss scaling
         g_ops, hmap = grad_ops(), ops.HyperMap()
+        tail = update_tail(opt, clip, scaled, fused=self.fused_opt is not None)
         reducer = None
         if self.world.mode == "data_parallel":
             reducer = nn.DistributedGradReducer(opt.parameters, mean=True, degree=self.world.size)
@@ -153,18 +169,7 @@ class Trainer:
                 grads = hmap(g_ops["add"], acc, grads)
             if reducer is not None:
                 grads = reducer(grads)
-            grads = hmap(F.partial(g_ops["divide"], denom), grads)
-            norm = ops.sqrt(ops.addn(hmap(g_ops["square_sum"], grads)))
-            if scaled:
-                finite = ms.amp.all_finite(grads)
-            else:  # O0: no overflow to skip; a non-finite gradient makes the norm non-finite and stops the run
-                finite = ops.isfinite(norm)
-            if clip > 0:
-                grads = hmap(F.partial(g_ops["multiply"], ops.minimum(clip / (norm + 1e-6), 1.0)), grads)
-            if not scaled:
-                opt(grads)
-            elif finite:  # a skipped update leaves weights, moments and the schedule position untouched
-                opt(grads)
+            finite, norm = tail(grads, denom)
             if accum > 1:
                 loss = F.depend(loss, hmap(g_ops["zero"], acc))
             return loss, finite, norm

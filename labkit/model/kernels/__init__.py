@@ -1,7 +1,8 @@
 """The lab's own CPU kernels (C++ sources compiled on first use) and MindSpore custom operators over them:
 RMSNorm (rmsnorm.py), SwiGLU's element-wise part (swiglu.py), the rotary position embedding (rope.py), attention's
-scale + mask + softmax (attn_softmax.py) and the softmax cross-entropy over the logits (xent.py); aot.h and
-fast_exp.h are what their C++ shares. `use_custom_kernels` switches a mindformers Llama to them; without a C++
+scale + mask + softmax (attn_softmax.py), the softmax cross-entropy over the logits (xent.py) and the optimizer's
+AdamW update with the gradient norm (adamw.py, which the trainer picks); aot.h and fast_exp.h are what their C++
+shares. `use_custom_kernels` switches a mindformers Llama to them; without a C++
 compiler it leaves the native cells and says so in one line."""
 from __future__ import annotations
 
