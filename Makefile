@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[lab,test]'
 	@# pip byte-compiles what it installs on one core (~70 s); compileall uses every core (~35 s on 2). Needed: with
 	@# PYTHONDONTWRITEBYTECODE set, a module left uncompiled is compiled again at every import. Like pip, it skips
-	@# files that do not compile (packages ship Python 2 fixtures), so its exit status is ignored.
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib > /dev/null || true
+	@# files that do not compile (packages ship Python 2 fixtures), so its messages and exit status are ignored.
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
