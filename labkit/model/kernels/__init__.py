@@ -2,8 +2,8 @@
 RMSNorm (rmsnorm.py), SwiGLU's element-wise part (swiglu.py), the rotary position embedding (rope.py), attention's
 scale + mask + softmax (attn_softmax.py), the softmax cross-entropy over the logits (xent.py) and the optimizer's
 AdamW update with the gradient norm (adamw.py, which the trainer picks); aot.h and fast_exp.h are what their C++
-shares. `use_custom_kernels` switches a mindformers Llama to them; without a C++
-compiler it leaves the native cells and says so in one line."""
+shares. `use_custom_kernels` switches a mindformers Llama to them; without a C++ compiler it leaves the native cells
+and says so in one line."""
 from __future__ import annotations
 
 import sys

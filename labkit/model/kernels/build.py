@@ -1,9 +1,10 @@
 """Compile the lab's C++ kernels on first use, into a cache that never hands a binary to another CPU.
 
 A kernel is built with `g++ -O3 -march=native -fopenmp-simd -fno-math-errno -shared -fPIC` (MindSpore's own
-auto-compile of a `.cc` path passes no `-O` flag, and an unoptimised kernel loses most of the gain). `-march=native` code may use
-instructions another CPU lacks (AVX-512 on one machine, AVX2 on the next), so the cache folder is keyed by the
-source text and every header beside it (`#include "fast_exp.h"`: an edited header is a new build, never a stale
+auto-compile of a `.cc` path passes no `-O` flag, and an unoptimised kernel loses most of the gain; without
+-fno-math-errno a `std::sqrt` is a branch around a libm call and its loop does not vectorise). `-march=native` code
+may use instructions another CPU lacks (AVX-512 on one machine, AVX2 on the next), so the cache folder is keyed by
+the source text and every header beside it (`#include "fast_exp.h"`: an edited header is a new build, never a stale
 binary), the compiler's version, the flags and this CPU's model name and feature flags: a copied `runs/`
 folder or a shared file system makes a new build instead of crashing with an illegal instruction.
 """
