@@ -31,7 +31,7 @@ run: $(STAMP)
 	$(BIN)/labkit run $(ARGS)
 
 test: $(STAMP)
-	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not alone" --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
+	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
 	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -m alone --durations=10 tests $(ARGS) || test $$? -eq 5  # 5: ARGS selected none of them
 
 lab: $(STAMP)
