@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
+import types
 
 from labkit.paths import RUNS
 
@@ -19,24 +22,67 @@ def quiet_mindformers_console() -> None:
                     h.setLevel(logging.ERROR)
 
 
+# Imported by mindformers' package __init__ but never called by the lab: HF `datasets` (its HF dataloader) and
+# `nltk` (its BLEU metric, which pulls in scipy.stats): ~1.5 s of CPU in every process that imports mindformers.
+DEFERRED = ("datasets", "nltk")
+
+
+class _StandIn(types.ModuleType):
+    """A module of DEFERRED while mindformers imports: any name imported from it is a class that refuses to be
+    instantiated, saying why."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.__path__ = []  # a package, so `from datasets.distributed import ...` resolves to another stand-in
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        qualname = f"{self.__name__}.{attr}"
+
+        def refuse(cls, *args, **kwargs):
+            raise RuntimeError(f"{qualname} was not imported: labkit defers {', '.join(DEFERRED)} while mindformers "
+                               f"imports (labkit/logs.py); import it before labkit imports mindformers to use it")
+
+        value = type(attr, (), {"__new__": refuse, "__module__": self.__name__})
+        setattr(self, attr, value)
+        return value
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in DEFERRED:
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
 @contextlib.contextmanager
-def _torch_not_imported():
+def _unused_imports_deferred():
     """Importing mindformers imports PyTorch (~1.5 s per process) through tensorboardX, which tries `import torch`
     only to accept torch tensors in its writer; a MindSpore process never passes one. While mindformers imports,
-    `import torch` fails at once (a None entry in sys.modules), and afterwards it works as before. scipy.stats is
-    imported first: nltk imports it inside the window, and its import-time docs ask whether arrays are torch's.
-    One lasting effect: `datasets` (imported by mindformers) records torch as unavailable, so its torch output
-    format is off in such a process; the lab never asks datasets for torch tensors."""
-    if "torch" in sys.modules:  # already there (a notebook that converted weights): nothing to save
-        yield
-        return
-    import scipy.stats  # noqa: F401
-
-    sys.modules["torch"] = None
+    `import torch` fails at once (a None entry in sys.modules), and the modules in DEFERRED are stand-ins; afterwards
+    all of them import as before. One lasting effect: mindformers' own references to them (its HF dataloader, its
+    BLEU metric) stay stand-ins in such a process; the lab calls neither. A module already imported is left alone."""
+    torch_absent = "torch" not in sys.modules
+    finder = None if any(name in sys.modules for name in DEFERRED) else _StandInFinder()
+    if torch_absent:
+        sys.modules["torch"] = None
+    if finder is not None:
+        sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
-        if sys.modules.get("torch", 0) is None:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+            for name in [n for n, m in sys.modules.items() if isinstance(m, _StandIn)]:
+                del sys.modules[name]
+        if torch_absent and sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
 
 
@@ -49,7 +95,7 @@ def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
     os.environ.setdefault("LOG_MF_PATH", str(log_dir or RUNS / "logs" / "mindformers"))
     if "mindformers" in sys.modules and getattr(quiet_mindformers, "done", False):
         return
-    with contextlib.redirect_stdout(sys.stderr), _torch_not_imported():
+    with contextlib.redirect_stdout(sys.stderr), _unused_imports_deferred():
         import mindformers  # noqa: F401
     quiet_mindformers_console()
     quiet_mindformers.done = True
