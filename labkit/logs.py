@@ -50,8 +50,11 @@ class _StandIn(types.ModuleType):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names):
+        self.names = names
+
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in DEFERRED:
+        if name.split(".")[0] in self.names:
             return importlib.util.spec_from_loader(name, self, is_package=True)
         return None
 
@@ -68,9 +71,12 @@ def _unused_imports_deferred():
     only to accept torch tensors in its writer; a MindSpore process never passes one. While mindformers imports,
     `import torch` fails at once (a None entry in sys.modules), and the modules in DEFERRED are stand-ins; afterwards
     all of them import as before. One lasting effect: mindformers' own references to them (its HF dataloader, its
-    BLEU metric) stay stand-ins in such a process; the lab calls neither. A module already imported is left alone."""
+    BLEU metric) stay stand-ins in such a process; the lab calls neither. A module already imported is left alone
+    (mindformers gets the real one); nltk's scipy.stats, which asks at import whether torch is there, is then
+    already imported too."""
     torch_absent = "torch" not in sys.modules
-    finder = None if any(name in sys.modules for name in DEFERRED) else _StandInFinder()
+    absent = tuple(name for name in DEFERRED if name not in sys.modules)
+    finder = _StandInFinder(absent) if absent else None
     if torch_absent:
         sys.modules["torch"] = None
     if finder is not None:
