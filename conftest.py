@@ -9,7 +9,7 @@ two-test file of three minutes (test_multinode.py) last, running alone while the
 `alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
-LONGEST_FIRST = (  # measured 2026-12-02 (`--durations=0`, 2 workers), worker-seconds in brackets
+LONGEST_FIRST = (  # seconds per file on a worker, from `--durations=0` runs with 2 workers on 2026-12-02
     "notebooks/08_troubleshooting.ipynb",  # 250
     "notebooks/04_single_card.ipynb",  # 240
     "tests/test_multinode.py",  # 183
