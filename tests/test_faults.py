@@ -94,14 +94,18 @@ def test_an_undamaged_checkpoint_is_used_silently(tmp_path):
 
 
 def test_train_resume_says_it_fell_back(tmp_path):
-    """The real command: 2 steps with a checkpoint each, the newest damaged, `--resume` continues from step 1."""
+    """The real command: 2 steps with a checkpoint each (written by the trainer in this process), the newest
+    damaged, then `labkit train --resume` in its own process continues from step 1."""
+    from labkit.config import load_run_config
+    from labkit.training.trainer import train
+
     out = tmp_path / "运行 目录"
-    base = [sys.executable, "-m", "labkit", "train", "--output", str(out), "--set", "train.save_every=1"]
-    first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, env=_env(), timeout=900)
-    assert first.returncode == 0, first.stderr[-2000:]
+    train(load_run_config("configs/tiny_cpu.yaml", [f"output_dir={out}", "train.save_every=1", "train.steps=2"]),
+          log=lambda m: None)
     _flip_byte(out / "checkpoints" / "step_000002" / "state.ckpt")
-    again = subprocess.run(base + ["--steps", "2", "--resume"], capture_output=True, text=True, env=_env(),
-                           timeout=900)
+    again = subprocess.run([sys.executable, "-m", "labkit", "train", "--output", str(out), "--set",
+                            "train.save_every=1", "--steps", "2", "--resume"], capture_output=True, text=True,
+                           env=_env(), timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "step_000002 is unusable" in again.stderr and "falling back" in again.stderr
     assert "resumed from" in again.stderr and "step_000001 at step 1" in again.stderr
