@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from labkit.errors import LabkitError
@@ -48,12 +49,20 @@ def _missing(name: str) -> int:
 
 
 
+# Commands that only tokenise never use torch, which transformers imports whenever it is installed: ~6 s of the
+# ~11 s a `labkit data build` process took on a 4 MB corpus. Set for a whole process only (argv None, the command
+# line): a notebook or test calling main([...]) may need torch afterwards.
+TORCH_FREE = {("data", "build"), ("data", "bench"), ("tokenizer", "compare"), ("tokenizer", "train")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if argv is None and (args.command, getattr(args, "action", None)) in TORCH_FREE and "transformers" not in sys.modules:
+        os.environ.setdefault("USE_TORCH", "0")  # transformers reads it at import
     return run(args)
 
 

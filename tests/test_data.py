@@ -279,3 +279,25 @@ def test_bench_reports_both_pipelines(built, corpus):
     assert {row["pipeline"] for row in r["rows"]} == {"on-the-fly", "MindRecord"}
     assert r["refused_workers"] == [64] and r["ratio_by_workers"][1] > 0
     assert "ratio MindRecord / on-the-fly" in data_bench.format_table(r)
+
+
+def test_a_data_build_process_leaves_torch_out_and_an_in_process_call_does_not(built, corpus, tmp_path):
+    """`labkit data build` as a process sets USE_TORCH=0 before transformers imports (labkit/cli.py): the same
+    dataset, without the ~6 s of torch. Called in-process (a notebook, a test) it leaves the environment alone."""
+    import os
+    import subprocess
+    import sys
+
+    from labkit.paths import ROOT
+
+    code = ("import sys; from labkit.cli import main; sys.argv[0] = 'labkit'; code = main(); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules, code)")
+    argv = ["data", "build", "--corpus", str(corpus), "--tokenizer", str(SHIPPED_TOKENIZER), "--seq-len", str(SEQ),
+            "--output", str(tmp_path / "ds")]
+    env = {k: v for k, v in os.environ.items() if k != "USE_TORCH"}
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT), "GLOG_v": "3"}, timeout=300)
+    assert p.stdout.split()[-3:] == ["False", "True", "0"], p.stdout[-500:] + p.stderr[-2000:]
+    np.testing.assert_array_equal(D.read_samples(tmp_path / "ds"), D.read_samples(built[1]))
+    before = os.environ.get("USE_TORCH")
+    assert main([*argv[:-1], str(tmp_path / "in_process")]) == 0 and os.environ.get("USE_TORCH") == before
