@@ -81,13 +81,12 @@ def _seq_memory_main(spec: dict) -> None:
     import tempfile
     from pathlib import Path
 
-    import mindspore  # noqa: F401 - imported once here, inherited by every forked child
-    import mindformers  # noqa: F401
-
     from labkit.logs import quiet_mindformers
     from labkit.training.metrics import pool_peaks_mb
 
-    quiet_mindformers()
+    quiet_mindformers()  # before mindformers' import: without torch, HF datasets and nltk
+    import mindspore  # noqa: F401 - imported once here, inherited by every forked child
+    import mindformers  # noqa: F401
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="labkit_seq_memory_"))  # no context manager: a forked child
     for seq in spec["seqs"]:  # leaves through SystemExit and must not remove the folder its parent still reads
         log = tmp / f"seq{seq}.log"

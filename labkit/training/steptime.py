@@ -15,13 +15,11 @@ def model_step_seconds(seq_len: int = 128, micro_batch: int = 8, steps: int = 2,
     from labkit.config import model_preset
     from labkit.model.llama import build_model
 
-    from labkit.logs import quiet_mindformers_console as quiet_mindformers_console
+    from labkit.logs import quiet_mindformers
 
     ms.set_context(mode=ms.GRAPH_MODE)
     cfg = model_preset(preset)
-    import mindformers  # noqa: F401  (its logger exists only after import)
-
-    quiet_mindformers_console()
+    quiet_mindformers()  # imports mindformers (without torch, HF datasets, nltk) and keeps its console quiet
     model = build_model(cfg, seq_length=seq_len, batch_size=micro_batch, seed=0)
     model.set_train(True)
     step = nn.TrainOneStepCell(model, nn.AdamWeightDecay(model.trainable_params(), 1e-4))
