@@ -79,7 +79,6 @@ class ConvertDrill(Drill):
 
     def setup(self):
         from labkit.weights import parity
-
         from labkit.weights.convert import hf2ms
 
         parity.make_hf_llama(self.work / "hf", seed=1, vocab_size=4000, hidden_size=256, intermediate_size=704,

@@ -47,8 +47,6 @@ def _missing(name: str) -> int:
     raise LabkitError(f"'labkit {name}' is not part of this version of the lab")
 
 
-
-
 # Commands that only tokenise never use torch, which transformers imports whenever it is installed: ~6 s of the
 # ~11 s a `labkit data build` process took on a 4 MB corpus. Set for a whole process only (argv None, the command
 # line): a notebook or test calling main([...]) may need torch afterwards.
@@ -61,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if argv is None and (args.command, getattr(args, "action", None)) in TORCH_FREE and "transformers" not in sys.modules:
+    whole_process = argv is None and "transformers" not in sys.modules
+    if whole_process and (args.command, getattr(args, "action", None)) in TORCH_FREE:
         os.environ.setdefault("USE_TORCH", "0")  # transformers reads it at import
     return run(args)
 
