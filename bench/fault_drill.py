@@ -117,29 +117,30 @@ class ConvertDrill(Drill):
 
 class DataDrill(Drill):
     name = "data"
+    seq_len = 64
+    tokenizer = ROOT / "data/tokenizer"
+
+    @property
+    def corpus(self) -> Path:
+        return self.work / "corpus.jsonl"
 
     def setup(self):
         from labkit.data.corpus import iter_documents
         from labkit.data.dataset import build_dataset
 
         docs = [d.text for _, d in zip(range(3000), iter_documents())]
-        (self.work / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs),
-                                                encoding="utf-8")
+        self.corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
         # the previous output, written in this process (the function `labkit data build` calls; the command's own
         # process start, ~10 s of imports, is timed and killed below)
-        build_dataset([self.work / "corpus.jsonl"], ROOT / "data/tokenizer", 64, self.dst, progress=False,
-                      overwrite=True)
+        build_dataset([self.corpus], self.tokenizer, self.seq_len, self.dst, progress=False, overwrite=True)
 
     @property
     def dst(self) -> Path:
         return self.work / "out" / "dataset"
 
-    def _argv(self):
-        return labkit("data", "build", "--corpus", self.work / "corpus.jsonl", "--tokenizer", ROOT / "data/tokenizer",
-                      "--seq-len", 64, "--output", self.dst, "--overwrite")
-
     def argv(self, k):
-        return self._argv()
+        return labkit("data", "build", "--corpus", self.corpus, "--tokenizer", self.tokenizer, "--seq-len",
+                      self.seq_len, "--output", self.dst, "--overwrite")
 
     def watch(self):
         return self.dst.parent
