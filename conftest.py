@@ -13,7 +13,7 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     "notebooks/04_single_card.ipynb",  # 252
     "notebooks/08_troubleshooting.ipynb",  # 223
     "tests/test_multinode.py",  # 198
-    "notebooks/05_data_parallel.ipynb",  # 197 (before its drill runs stopped evaluating: ~180)
+    "notebooks/05_data_parallel.ipynb",  # 197, measured before its drill runs stopped evaluating
     "tests/test_faults.py",  # 176
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
