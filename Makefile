@@ -12,8 +12,10 @@ export TQDM_MININTERVAL ?= 5
 # more per process). Compiling on first import covers the ~4,300 modules the lab imports, not the ~18,600 installed
 # (pip's own byte-compiling took ~70 s on one core, compileall of the whole environment 38 s on 2).
 export PYTHONDONTWRITEBYTECODE :=
-# pytest workers for `make test`: 2 suits 2 cores (each worker trains MindSpore models with ~2 GB of memory)
-TEST_WORKERS ?= 2
+# pytest workers for `make test`: 3 on 2 cores. A worker spends ~1/5 of its time waiting on processes it started
+# (msrun start-up, heartbeat time-outs, the browser); a third fills those waits. Parallel phase on one 2-core machine:
+# 844 s with 2 workers, 757 s with 3 (~15 s of it from two trimmed tests). Each worker needs ~2-3 GB of memory.
+TEST_WORKERS ?= 3
 
 .PHONY: run test lab venv clean
 
