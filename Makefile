@@ -9,9 +9,12 @@ export GLOG_v ?= 3
 export TQDM_MININTERVAL ?= 5
 # Python caches each module's bytecode when it first imports it (its default), here even where the environment sets
 # PYTHONDONTWRITEBYTECODE: without a cache every process compiles MindSpore, torch and transformers again (~14 s
-# more per process). Compiling on first import covers the ~4,300 modules the lab imports, not the ~18,600 installed
-# (pip's own byte-compiling took ~70 s on one core, compileall of the whole environment 38 s on 2).
+# more per process). The install imports what the lab uses, in two processes (~20 s on 2 cores), so that the test
+# processes starting together do not all compile the same modules; the ~5,400 modules it caches are what a training
+# run and `labkit doctor` import, of ~18,600 installed (compileall of everything took 38 s on 2 cores).
 export PYTHONDONTWRITEBYTECODE :=
+WARM_ML := from labkit.logs import quiet_mindformers; quiet_mindformers(); import mindspore.dataset, mindformers.models.llama, torch, transformers, safetensors.torch; from transformers import LlamaForCausalLM
+WARM_NB := import matplotlib.pyplot, pandas, papermill, nbclient, ipykernel.kernelapp, ipywidgets, jupyter_server.serverapp, nbval, playwright.sync_api
 # pytest workers for `make test`: 3 on 2 cores. A worker spends ~1/5 of its time waiting on processes it started
 # (msrun start-up, heartbeat time-outs, the browser); a third fills those waits. Parallel phase on one 2-core machine:
 # 844 s with 2 workers, 757 s with 3 (~15 s of it from two trimmed tests). Each worker needs ~2-3 GB of memory.
@@ -27,6 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[lab,test]'
+	$(BIN)/python -c '$(WARM_NB)' & nb=$$!; $(BIN)/python -c '$(WARM_ML)' && wait $$nb
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
