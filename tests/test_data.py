@@ -231,7 +231,14 @@ def test_shard_balance_sees_a_rank_that_receives_less(built, monkeypatch):
 
 def test_ensure_dataset_builds_once_even_when_racing(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(D, "CACHE", tmp_path / "cache")
-    results, errors = [], []
+    results, errors, builds = [], [], []
+    build = D.build_dataset
+
+    def counted(*a, **k):
+        builds.append(a)
+        return build(*a, **k)
+
+    monkeypatch.setattr(D, "build_dataset", counted)
 
     def call():
         try:
@@ -244,10 +251,11 @@ def test_ensure_dataset_builds_once_even_when_racing(tmp_path, corpus, monkeypat
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(set(results)) == 1
+    assert not errors and len(set(results)) == 1 and len(builds) == 1  # the second call waited and reused it
     path = results[0]
     assert path.parent == tmp_path / "cache" and D.read_stats(path)["seq_len"] == SEQ
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temporary leftovers
+    # one build: no temporary leftovers, only the lock file the second call waited on
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([path.name, f".lock-{path.name}"])
     assert D.ensure_dataset(SEQ, corpus=[corpus]) == path  # reused
     assert D.ensure_dataset(SEQ + 1, corpus=[corpus], progress=False) != path
 

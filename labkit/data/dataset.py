@@ -19,10 +19,10 @@ order, and 1 worker x micro_batch 2b would no longer see what 2 workers x b see.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -335,8 +335,10 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
                    val_seed: int = 0) -> Path:
     """The dataset for (corpus, tokenizer, seq_len), built on first use under runs/cache/datasets/<hash>/.
 
-    Defaults: the shipped data/corpus and data/tokenizer. Safe when several processes call it at once: each builds
-    into its own temporary directory and renames it; a loser of the race removes its copy and uses the winner's."""
+    Defaults: the shipped data/corpus and data/tokenizer. Several processes may ask at once (the workers of a
+    first data-parallel run, notebooks started together): one builds while the others wait on a lock file beside it
+    (`.lock-<hash>`, left in place) and then use its result. The build goes into a temporary directory renamed at
+    the end, so a killed build leaves nothing a later call would read."""
     from labkit.data.corpus import fingerprint
     from labkit.data.tokenizer import SHIPPED_TOKENIZER
 
@@ -346,25 +348,34 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
     h = hashlib.sha256(f"{FORMAT}\0{fingerprint(corpus)}\0{_tokenizer_hash(tokenizer_dir)}\0{seq_len}\0"
                        f"{text_field}\0{split_on_blank_lines}{split}".encode()).hexdigest()[:20]
     final = CACHE / h
-    if final.exists():
-        try:
-            read_stats(final)
-            return final
-        except LabkitError:  # damaged by hand: move it aside (another process may do the same)
-            try:
-                os.rename(final, final.with_name(f".stale-{h}-{uuid.uuid4().hex[:8]}"))
-            except OSError:
-                pass
+    if _usable(final):
+        return final
     CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE / f".build-{h}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    build_dataset(corpus, tokenizer_dir, seq_len, tmp, text_field=text_field, split_on_blank_lines=split_on_blank_lines,
-                  progress=progress, val_fraction=val_fraction, val_seed=val_seed)
-    try:
+    with open(CACHE / f".lock-{h}", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if _usable(final):  # built while this call waited
+            return final
+        tmp = CACHE / f".build-{h}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        build_dataset(corpus, tokenizer_dir, seq_len, tmp, text_field=text_field,
+                      split_on_blank_lines=split_on_blank_lines, progress=progress, val_fraction=val_fraction,
+                      val_seed=val_seed)
         os.rename(tmp, final)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        read_stats(final)
     return final
+
+
+def _usable(final: Path) -> bool:
+    """True when the cached dataset `final` is there and whole; a damaged one is moved aside (False)."""
+    if not final.exists():
+        return False
+    try:
+        read_stats(final)
+        return True
+    except LabkitError:  # damaged by hand: move it aside (another process may do the same)
+        try:
+            os.rename(final, final.with_name(f".stale-{final.name}-{uuid.uuid4().hex[:8]}"))
+        except OSError:
+            pass
+        return False
 
 
 # -------------------------------------------------------------------------------------------- loading
