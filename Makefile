@@ -26,7 +26,8 @@ PIP_SOURCES = $(foreach s,$(sort $(call pip_conf,PIP_FIND_LINKS,find-links)),--f
   $(foreach s,$(call pip_conf,PIP_EXTRA_INDEX_URL,extra-index-url),--extra-index-url $(s))
 # pytest workers for `make test`: 3 on 2 cores. A worker spends ~1/5 of its time waiting on processes it started
 # (msrun start-up, heartbeat time-outs, the browser); a third fills those waits. Parallel phase on one 2-core machine:
-# 844 s with 2 workers, 757 s with 3 (~15 s of it from two trimmed tests). Each worker needs ~2-3 GB of memory.
+# 844 s with 2 workers, 757 s with 3 (~15 s of it from two trimmed tests); with 4, 916 s and ~1,700 CPU-s against
+# ~1,400 (the cores were already busy; more processes only contend). Each worker needs ~2-3 GB of memory.
 TEST_WORKERS ?= 3
 
 .PHONY: run test lab venv clean
