@@ -304,6 +304,7 @@ class TrainConfig:
     mode: Literal["graph", "pynative"] = "graph"  # MindSpore execution mode
     kernels: Literal["native", "custom"] = "native"  # CPU norm/SwiGLU/RoPE/attention/loss/AdamW: MindSpore's or C++
     eval_every: int = 0  # mean loss over the validation set every N steps and at the end (0 = off)
+    eval_samples: int = 0  # validation samples each evaluation reads, spread evenly over the set (0 = all of them)
     sample_prompts: list[str] = field(default_factory=list)  # texts continued at each evaluation (samples.jsonl)
     sample_tokens: int = 48  # new tokens per sample
     sample_temperature: float = 0.8  # sampling temperature of the logged samples (0 = greedy)
@@ -317,8 +318,8 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.warmup_steps > self.decay_steps:
             raise LabkitError(f"{where}.warmup_steps {self.warmup_steps} must be between 0 and decay_steps "
                               f"{self.decay_steps}")
-        if self.save_every < 0 or self.grad_clip < 0 or self.eval_every < 0:
-            raise LabkitError(f"{where}.save_every, grad_clip and eval_every must be >= 0")
+        if self.save_every < 0 or self.grad_clip < 0 or self.eval_every < 0 or self.eval_samples < 0:
+            raise LabkitError(f"{where}.save_every, grad_clip, eval_every and eval_samples must be >= 0")
         if self.sample_tokens < 1 or self.sample_temperature < 0 or self.sample_top_k < 0:
             raise LabkitError(f"{where}.sample_tokens must be >= 1, sample_temperature and sample_top_k >= 0")
 

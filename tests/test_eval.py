@@ -15,7 +15,7 @@ from labkit.data import dataset as D
 from labkit.data.corpus import read_documents
 from labkit.data.tokenizer import SHIPPED_TOKENIZER, load
 from labkit.errors import LabkitError
-from labkit.training.evaluate import rank_batches
+from labkit.training.evaluate import Evaluator, rank_batches, spread
 from labkit.training.generate import pick_token
 
 SEQ = 16
@@ -110,6 +110,20 @@ def test_rank_batches_cover_the_single_card_batches_once():
     assert sorted((s.start for sh in shards for s in sh)) == [s.start for s in single]
 
 
+def test_eval_samples_spread_over_the_whole_set_and_are_named_when_too_few():
+    samples = np.arange(320)[:, None]
+    picked = spread(samples, 128)[:, 0]
+    assert len(set(picked)) == 128 and picked[0] == 0 and picked[-1] == 319  # first to last, no repeats
+    gaps = np.diff(picked)
+    assert gaps.min() == 2 and gaps.max() == 3, "evenly spaced: (320 - 1) / (128 - 1) = 2.5 apart"
+    assert spread(samples, 0) is samples and spread(samples, 500) is samples  # 0, or more than there are: all
+    with pytest.raises(LabkitError) as e:
+        Evaluator(None, samples, micro_batch=8, dp_size=2, eval_samples=12)
+    assert "train.eval_samples 12" in str(e.value) and "train.eval_samples" in e.value.fix
+    with pytest.raises(LabkitError, match="eval_samples must be >= 0"):
+        load_run_config("configs/tiny_cpu.yaml", ["train.eval_samples=-1"])
+
+
 def test_pick_token_greedy_topk_and_seeded():
     logits = np.array([0.0, 3.0, 2.9, -1.0, 1.0])
     assert pick_token(logits, 0.0, 0, np.random.default_rng(0)) == 1
@@ -183,7 +197,8 @@ def test_ms2hf_of_a_training_checkpoint_loads_in_transformers_with_the_same_loss
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     run = load_checkpoint(out)["run"]
-    val = D.read_samples(D.val_dir(D.ensure_dataset(run.data.seq_len, val_fraction=run.data.val_fraction)))
+    val = spread(D.read_samples(D.val_dir(D.ensure_dataset(run.data.seq_len, val_fraction=run.data.val_fraction))),
+                 run.train.eval_samples)  # the samples the trainer's evaluation read
     mb = run.train.micro_batch
     with torch.no_grad():
         losses = [float(model(torch.tensor(val[b], dtype=torch.long), labels=torch.tensor(val[b], dtype=torch.long))

@@ -189,7 +189,8 @@ class Trainer:
             raise LabkitError(f"train.eval_every {t.eval_every} but dataset {self.dataset} has no validation set",
                               "set data.val_fraction (e.g. 0.02) for a first-use build, or build the dataset with "
                               "`labkit data build --val-fraction 0.02`; or set train.eval_every 0")
-        evaluator = Evaluator(net, data.read_samples(vdir), t.micro_batch, self.dp, self._dp_rank(), self.world.size)
+        evaluator = Evaluator(net, data.read_samples(vdir), t.micro_batch, self.dp, self._dp_rank(), self.world.size,
+                              t.eval_samples)
         sampler = None
         if t.sample_prompts and self.world.rank == 0:
             from labkit.training.generate import Sampler
