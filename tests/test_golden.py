@@ -28,7 +28,12 @@ def test_the_tolerance_is_far_below_a_real_change():
 
 
 @pytest.mark.slow
-def test_the_tiny_run_reproduces_all_golden_losses(tmp_path):
-    losses = regen_losses.run(str(tmp_path))
+def test_the_tiny_run_reproduces_all_golden_losses_and_an_impossible_mfu_is_warned(tmp_path):
+    """The config's C++ kernels (train.kernels custom) reproduce the golden losses; a peak set far too low gives an
+    MFU above 1, which `labkit train` reports and does not stop on (the peak changes no loss)."""
+    said = []
+    losses, summary = regen_losses.run(str(tmp_path), "train.kernels=custom", "train.peak_tflops=0.000001",
+                                       log=said.append)
     assert len(losses) == GOLDEN["steps"] == 8
     assert losses == pytest.approx(GOLDEN["losses"], abs=TOLERANCE), "the tiny run's losses changed: a numerical change?"
+    assert summary["mfu"] > 1 and any("MFU" in m and "impossible" in m for m in said)

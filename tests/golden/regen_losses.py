@@ -18,13 +18,14 @@ STEPS = 8
 SETS = ["train.micro_batch=8", "train.accum=1", "train.save_every=0", "train.peak_tflops=0.1"]
 
 
-def run(output: str) -> list[float]:
+def run(output: str, *extra: str, log=None) -> tuple[list[float], dict]:
+    """(losses, the run's summary); `extra` overrides go after SETS (none may change the losses)."""
     from labkit.config import load_run_config
     from labkit.training.metrics import read_metrics
     from labkit.training.trainer import train
 
-    train(load_run_config(CONFIG, [f"output_dir={output}", f"train.steps={STEPS}", *SETS]))
-    return [r["loss"] for r in read_metrics(output)]
+    summary = train(load_run_config(CONFIG, [f"output_dir={output}", f"train.steps={STEPS}", *SETS, *extra]), log=log)
+    return [r["loss"] for r in read_metrics(output)], summary
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     import mindspore
 
     with tempfile.TemporaryDirectory() as out:
-        losses = run(out)
+        losses, _ = run(out)
     doc = {"config": CONFIG, "steps": STEPS, "overrides": SETS, "command": "python tests/golden/regen_losses.py",
            "versions": {"mindspore": mindspore.__version__, "mindformers": mindformers.__version__},
            "losses": losses}
