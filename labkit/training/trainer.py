@@ -262,7 +262,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self, on_step=None) -> dict:
         t, rank0 = self.cfg.train, self.world.rank == 0
-        if self.peak_flops is None:
+        if self.peak_flops is None and rank0:  # the MFU is rank 0's figure (metrics.jsonl): the others skip the probe
             from labkit.parallel.devices import cached_gemm_peak
 
             self.peak_flops = cached_gemm_peak()
@@ -329,7 +329,8 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "grad_norm": grad_norm,
                "loss_scale": scale, "overflow": not finite, "overflows": self.overflows,
                "tokens_per_s": tokens_per_step / seconds, "step_time_s": seconds,
-               "mfu": self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops,
+               "mfu": (self.flops_per_token * tokens_per_step / seconds / self.world.size / self.peak_flops
+                       if self.peak_flops else None),
                "peak_mem_mb": peak_memory_mb(self.cfg.parallel.device_target)}
         self.history.append(rec)
         return rec
@@ -372,7 +373,7 @@ class Trainer:
         return {"ok": True, "output": str(self.out), "steps": self.step,
                 "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
                 "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
-                "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h else None,
+                "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h and self.peak_flops else None,
                 "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
                 "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
                 "world_size": self.world.size, "global_batch": self.global_batch}
