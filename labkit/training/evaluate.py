@@ -1,8 +1,8 @@
 """Validation loss during training: the mean loss over a held-out set, one compiled forward graph, no gradients.
 
-The validation set (`labkit data build --val-fraction`, `<dataset>/val`) is read into memory once and cut into
-B = n_val // micro_batch batches in file order (a tail shorter than a batch is left out, the same for every
-layout). Under data parallel, rank r evaluates batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch
+The validation set (`labkit data build --val-fraction`, `<dataset>/val`) is read into memory once; the n samples an
+evaluation reads (all, or `train.eval_samples` of them, below) are cut into B = n // micro_batch batches in file
+order (a tail shorter than a batch is left out, the same for every layout). Under data parallel, rank r evaluates batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch
 counts are added over ranks, so the figure is the one a single card evaluating all B batches gets (up to float
 summation order). Every batch holds micro_batch x seq_len labels, so the mean of batch means is the mean over tokens.
 
