@@ -2,9 +2,9 @@
 
 The validation set (`labkit data build --val-fraction`, `<dataset>/val`) is read into memory once; the n samples an
 evaluation reads (all, or `train.eval_samples` of them, below) are cut into B = n // micro_batch batches in file
-order (a tail shorter than a batch is left out, the same for every layout). Under data parallel, rank r evaluates batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch
-counts are added over ranks, so the figure is the one a single card evaluating all B batches gets (up to float
-summation order). Every batch holds micro_batch x seq_len labels, so the mean of batch means is the mean over tokens.
+order (a tail shorter than a batch is left out, the same for every layout). Under data parallel, rank r evaluates
+batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch counts are added over ranks, so the figure is the
+one a single card evaluating all B batches gets (up to float summation order). Every batch holds micro_batch x seq_len labels, so the mean of batch means is the mean over tokens.
 
 `train.eval_samples` N > 0 reads N samples spread evenly over the set (every (n_val - 1) / (N - 1)-th one), the
 same ones at every evaluation, so the points of a curve compare like with like and no part of the set (a language,
@@ -48,7 +48,7 @@ class Evaluator:
         samples = spread(samples, eval_samples)
         n_batches = len(samples) // micro_batch
         if n_batches < max(dp_size, 1):
-            what = f"train.eval_samples {eval_samples}" if eval_samples and len(samples) == eval_samples else \
+            what = f"train.eval_samples {eval_samples} is" if eval_samples and len(samples) == eval_samples else \
                 f"the validation set has {len(samples)} samples,"
             raise LabkitError(f"{what} fewer than one batch of {micro_batch} per data-parallel rank ({dp_size})",
                               "raise data.val_fraction or train.eval_samples, lower train.micro_batch, or set "

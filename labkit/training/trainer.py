@@ -373,7 +373,8 @@ class Trainer:
         return {"ok": True, "output": str(self.out), "steps": self.step,
                 "val_loss": val[-1]["val_loss"] if val else None, "val_ppl": val[-1]["val_ppl"] if val else None,
                 "final_loss": h[-1]["loss"] if h else None, "first_loss": h[0]["loss"] if h else None,
-                "tokens_per_s": steady_throughput(h)["tokens_per_s"], "mfu": steady(h, "mfu") if h and self.peak_flops else None,
+                "tokens_per_s": steady_throughput(h)["tokens_per_s"],
+                "mfu": steady(h, "mfu") if h and self.peak_flops else None,
                 "peak_mem_mb": max((r["peak_mem_mb"] for r in h), default=None), "overflows": self.overflows,
                 "checkpoint": str(checkpoint.latest(self.out)) if checkpoint.latest(self.out) else None,
                 "world_size": self.world.size, "global_batch": self.global_batch}
