@@ -7,6 +7,7 @@
 - Disk full, on a small tmpfs mounted inside a private mount namespace (root + `unshare -m`; skipped otherwise):
   conversion, data build and a checkpoint save fail with one "no space left" error line and leave nothing; training
   stops the same way, and `--resume` works once space is freed.
+The training drills run one decoder layer of the tiny model (SMALL_RUN): the same code paths at half the compile time.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ from labkit.errors import LabkitError
 from labkit.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# The training drills use one decoder layer and no GEMM probe: what they check (which checkpoint a resume takes, what a
+# full disk leaves) does not depend on depth, and one layer compiles in about half the time of the tiny model's four.
+SMALL_RUN = ("model.num_layers=1", "train.peak_tflops=1")
+SMALL_SETS = [a for s in SMALL_RUN for a in ("--set", s)]  # the same, as `labkit train` arguments
 
 
 def _env() -> dict:
@@ -100,12 +107,12 @@ def test_train_resume_says_it_fell_back(tmp_path):
     from labkit.training.trainer import train
 
     out = tmp_path / "运行 目录"
-    train(load_run_config("configs/tiny_cpu.yaml", [f"output_dir={out}", "train.save_every=1", "train.steps=2"]),
-          log=lambda m: None)
+    train(load_run_config("configs/tiny_cpu.yaml", [f"output_dir={out}", "train.save_every=1", "train.steps=2",
+                                                    *SMALL_RUN]), log=lambda m: None)
     _flip_byte(out / "checkpoints" / "step_000002" / "state.ckpt")
     again = subprocess.run([sys.executable, "-m", "labkit", "train", "--output", str(out), "--set",
-                            "train.save_every=1", "--steps", "2", "--resume"], capture_output=True, text=True,
-                           env=_env(), timeout=900)
+                            "train.save_every=1", *SMALL_SETS, "--steps", "2", "--resume"], capture_output=True,
+                           text=True, env=_env(), timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "step_000002 is unusable" in again.stderr and "falling back" in again.stderr
     assert "resumed from" in again.stderr and "step_000001 at step 1" in again.stderr
@@ -194,9 +201,10 @@ from pathlib import Path
 small = Path(sys.argv[1])
 run = small / "run"
 ballast = small / "ballast"
+SETS = None  # the test's SMALL_SETS
 def train(*extra):
     p = subprocess.run([sys.executable, "-m", "labkit", "train", "--output", str(run), "--set", "train.save_every=1",
-                        *extra], capture_output=True, text=True)
+                        *SETS, *extra], capture_output=True, text=True)
     return {"code": p.returncode, "errors": [l for l in p.stderr.splitlines() if ": error:" in l],
             "traceback": "Traceback" in p.stderr, "tail": p.stderr[-1500:]}
 out = {"first": train("--steps", "1")}
@@ -214,7 +222,8 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(bool(_can_mount_tmpfs()), reason=str(_can_mount_tmpfs()))
 def test_disk_full_stops_training_and_resume_works_after(tmp_path):
-    p = _in_small_tmpfs(tmp_path, "256m", TRAIN_FULL_SCRIPT)  # 3 checkpoints of ~63 MB at once
+    script = TRAIN_FULL_SCRIPT.replace("SETS = None", f"SETS = {SMALL_SETS!r}")
+    p = _in_small_tmpfs(tmp_path, "256m", script)  # 3 checkpoints of ~35 MB at once (one layer)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["first"]["code"] == 0, r["first"]["tail"]
