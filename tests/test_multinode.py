@@ -6,7 +6,7 @@ behind and a report that names it; the killed run resumes from the shared folder
 papermill once per node as the README's cluster recipe says (`-f params.yaml -p node_rank R`), and the two
 notebooks make one run: each node keeps its own logs and launch file, the run-level files are node 0's, written
 once, and the losses equal one node with 2 workers bit for bit (that 2 workers equal one card with the same global
-batch is notebook 05's check, run by nbval). Skipped where
+batch is notebook 05's check, run by nbval). Every run here has one decoder layer (`config`). Skipped where
 namespaces cannot be made (not root, or no CAP_SYS_ADMIN in a container)."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from labkit.course import pretrain
 from labkit.paths import ROOT
@@ -31,6 +32,17 @@ pytestmark = pytest.mark.slow
 
 STEPS = 8  # the fault drill kills node 1 after step 3; checkpoints every 2 steps
 CONFIG = "configs/dp2_cpu.yaml"  # micro_batch 4 per worker, global batch 8
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> str:
+    """CONFIG with one decoder layer: what is checked here (a fault ends both nodes, resume across nodes, the same
+    losses as one node) does not depend on depth, and one layer compiles in about half the time of four."""
+    cfg = yaml.safe_load((ROOT / CONFIG).read_text(encoding="utf-8"))
+    cfg["model"]["num_layers"] = 1
+    path = tmp_path_factory.mktemp("config") / "dp2_cpu_1layer.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return str(path)
 
 
 def _ip(*args, check=True):
@@ -79,17 +91,17 @@ def node_env() -> dict:
     return {**os.environ, "GLOG_v": "3", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def node(netns, rank: int, out: Path, port: int, *extra: str) -> subprocess.Popen:
-    cmd = ["ip", "netns", "exec", netns["ns"][rank], sys.executable, "-m", "labkit", "launch", "--config", CONFIG,
+def node(netns, config: str, rank: int, out: Path, port: int, *extra: str) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", netns["ns"][rank], sys.executable, "-m", "labkit", "launch", "--config", config,
            "--workers", "1", "--nodes", "2", "--node-rank", str(rank), "--master-addr", netns["addr"][0],
            "--master-port", str(port), "--output", str(out), "--json", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, start_new_session=True)
 
 
-def reference(out: Path) -> subprocess.Popen:
+def reference(config: str, out: Path) -> subprocess.Popen:
     """The same run on one machine (this namespace): `labkit launch` with 2 workers, STEPS steps."""
-    cmd = [sys.executable, "-m", "labkit", "launch", "--config", CONFIG, "--workers", "2", "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "labkit", "launch", "--config", config, "--workers", "2", "--steps", str(STEPS),
            "--output", str(out), "--json"]
     return subprocess.Popen(cmd, cwd=ROOT, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, start_new_session=True)
@@ -145,9 +157,9 @@ GATHER_S = 15  # parallel.cluster_timeout_s for the missing-node test: start-up 
 # (python, MindSpore, mindformers imports) takes a few seconds on 2 cores, and the job must end well within the limit
 
 
-def test_a_node_that_never_starts_is_named(tmp_path, netns):
+def test_a_node_that_never_starts_is_named(tmp_path, netns, config):
     t0 = time.perf_counter()
-    alone = node(netns, 0, tmp_path / "alone", 29612, "--steps", "3",
+    alone = node(netns, config, 0, tmp_path / "alone", 29612, "--steps", "3",
                  "--set", f"parallel.cluster_timeout_s={GATHER_S}")
     res = finish(alone, FAULT_LIMIT_S + 30)
     took = time.perf_counter() - t0
@@ -163,15 +175,15 @@ RUN_LEVEL = {"run.yaml", "mindformers.yaml", "plan.json", "launch.sh", "metrics.
 PER_NODE = {"launch_node0.yaml", "launch_node1.yaml", "logs"}  # labkit launch's, per node (logs/node<R>/)
 
 
-def test_two_nodes_killed_then_resumed_by_notebook_07_on_each_node(tmp_path, netns):
+def test_two_nodes_killed_then_resumed_by_notebook_07_on_each_node(tmp_path, netns, config):
     """Node 1's worker is killed mid-run: both sides end within the bound, named, with nothing left. Then notebook 07
     runs through papermill once on each node (the README's recipe, `-p resume True`) and finishes the run from the
     shared folder: one run, each node's own logs and launch file, run-level files once, by node 0; its losses
     equal one node with 2 workers."""
     out = tmp_path / "two_nodes"
     run = ("--steps", str(STEPS), "--set", "train.save_every=2")
-    n0 = node(netns, 0, out, 29613, *run)
-    n1 = node(netns, 1, out, 29613, *run, "--kill-rank", "1", "--kill-after-step", "3")
+    n0 = node(netns, config, 0, out, 29613, *run)
+    n1 = node(netns, config, 1, out, 29613, *run, "--kill-rank", "1", "--kill-after-step", "3")
     r1 = finish(n1, 300)  # node 1's worker dies with SIGKILL after step 3; its launcher reports it at once
     killed = time.perf_counter()
     r0 = finish(n0, FAULT_LIMIT_S + 30)
@@ -186,9 +198,9 @@ def test_two_nodes_killed_then_resumed_by_notebook_07_on_each_node(tmp_path, net
     # the reference starts now and runs beside the notebooks (whose kernels spend much of their time waiting): one
     # node with 2 workers. Not during node 0's wait above: its bound is measured there, and must not depend on what
     # else loads the machine.
-    ref = reference(tmp_path / "one_node")
+    ref = reference(config, tmp_path / "one_node")
     params = tmp_path / "params.yaml"  # the README's params.yaml, for this run: 2 nodes x 1 CPU worker
-    params.write_text(f"config: {CONFIG}\ndevices: 2\nnodes: 2\nmaster_addr: {netns['addr'][0]}\nmaster_port: 29614\n"
+    params.write_text(f"config: {config}\ndevices: 2\nnodes: 2\nmaster_addr: {netns['addr'][0]}\nmaster_port: 29614\n"
                       f"steps: {STEPS}\nsave_every: 2\noutput_dir: {out}\nresume: true\n", encoding="utf-8")
     t0 = time.perf_counter()
     executed = [tmp_path / f"07_node{r}.ipynb" for r in (0, 1)]
