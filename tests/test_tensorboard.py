@@ -28,7 +28,7 @@ def test_a_training_run_writes_events_beside_metrics(tmp_path):
     from labkit.training.trainer import train
 
     cfg = load_run_config("configs/tiny_cpu.yaml", [f"output_dir={tmp_path}", "train.steps=3", "train.save_every=0",
-                                                    "train.peak_tflops=1"])
+                                                    "train.peak_tflops=1", "model.num_layers=1"])  # events, not depth
     train(cfg)
     rows = read_metrics(tmp_path)
     assert len(event_files(tmp_path)) == 1 and (tmp_path / "metrics.jsonl").is_file()
