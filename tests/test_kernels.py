@@ -354,7 +354,7 @@ def test_custom_attention_softmax_equals_native_loss_and_gradients():
     from labkit.model.llama import build_model
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    mc = load_run_config("configs/tiny_cpu.yaml", []).model_config()
+    mc = load_run_config("configs/tiny_cpu.yaml", ["model.num_layers=2"]).model_config()  # a layer feeds a layer
     native, custom = (build_model(mc, seq_length=64, batch_size=2, seed=0) for _ in range(2))
     assert use_custom_attn_softmax(custom) == mc.num_layers
     tokens = ms.Tensor(np.random.default_rng(6).integers(0, mc.vocab_size, (2, 65)).astype(np.int32))
