@@ -6,14 +6,8 @@ together instead of one of them starting a four-minute notebook at the end (long
 measured (`--durations`), longest first; a file not in it keeps its place after these. The Makefile passes
 `--no-loadscope-reorder`: without it pytest-xdist re-sorts the files by their number of test items, which put a
 two-test file of three minutes (test_multinode.py) last, running alone while the other worker idled. Tests marked
-`alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile).
-
-The `one_layer_config` fixture is shared by the tests that check machinery (faults, nodes, the browser) rather than
-the model."""
+`alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
-
-import pytest
-import yaml
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
     "notebooks/04_single_card.ipynb",  # 252
@@ -45,22 +39,3 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=key)  # stable: the order inside a file, and of the files not listed, stays as collected
-
-
-@pytest.fixture(scope="session")
-def one_layer_config(tmp_path_factory):
-    """make(config) -> the path of a copy of that run config with one decoder layer. The tiny model's graph compiles
-    in ~1 s per layer plus ~1 s (4.7 s for its four layers, 2.2 s for one, alone on 2 cores): where what a test
-    checks does not depend on depth (a fault, resume, a node, the browser), one layer halves each run's start."""
-    from labkit.paths import ROOT
-
-    folder = tmp_path_factory.mktemp("one_layer")
-
-    def make(config: str) -> str:
-        cfg = yaml.safe_load((ROOT / config).read_text(encoding="utf-8"))
-        cfg["model"]["num_layers"] = 1
-        path = folder / f"{(ROOT / config).stem}_1layer.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
-        return str(path)
-
-    return make

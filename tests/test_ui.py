@@ -8,7 +8,6 @@ shows, or a plot that never updates go unseen. Here:
    cells below and its live figure changes while it trains; the cells that read its result run without an error
    (the notebook's later sections, evaluation and the way back to HF, are nbval's: they show nothing live);
 2. notebook 04 (main run only, few steps): the live plot changes while the kernel trains.
-Both run the tiny config with one decoder layer (conftest's `one_layer_config`): the page is what is tested here.
 Screenshots land in runs/ui/ (git-ignored) with report.json (phase times, what was seen).
 
 Needs Debian's Chromium and a CJK font (`apt-get install -y chromium fonts-noto-cjk`) and the playwright package
@@ -368,7 +367,7 @@ def last_view():
             page.close()
 
 
-def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view, one_layer_config):
+def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
     from playwright.sync_api import expect
 
     from labkit.course.pretrain import PARAMS
@@ -376,7 +375,6 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view, 
 
     d = lab.deadline
     _, src = copy_notebook("07_pretrain.ipynb", lab.root, dict(interactive=True, steps=8,
-                                                                config=one_layer_config("configs/tiny_cpu.yaml"),
                                                                 output_dir=str(lab.tmp / "run07")),
                            last_cell='nb.check(summary["final_loss"] < summary["first_loss"]')
     i_form, i_launch = index_of(src, "widgets.parameter_form("), index_of(src, "pretrain.launch(run)")
@@ -444,11 +442,10 @@ HAND_WRITTEN_04 = ("## 2. 亲手写一个训练步", "hand_cfg = cfg_for(", "模
                    "亲手写的一步与工具一致", "hand_diff = max(")  # notebook 04's section 2 and its comparison
 
 
-def test_04_live_plot_updates_while_the_kernel_trains(lab, last_view, one_layer_config):
+def test_04_live_plot_updates_while_the_kernel_trains(lab, last_view):
     d = lab.deadline
     # section 2's training step by hand (~30 s, not needed by the main run) stays out: this test is about the plot
     _, src = copy_notebook("04_single_card.ipynb", lab.root, dict(steps=20, eval_every=0,  # no validation graph
-                                                                  config=one_layer_config("configs/tiny_cpu.yaml"),
                                                                   output_dir=str(lab.tmp / "run04")),
                            last_cell='nb.check(main["final_loss"]', drop=HAND_WRITTEN_04)
     i_train = index_of(src, "LivePlot(every=10")
