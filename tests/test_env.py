@@ -143,7 +143,8 @@ def test_importing_the_module_stays_light():
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """One real `labkit doctor --json` run with a good, a missing, a conflicting and a colliding model dir."""
+    """One real `labkit doctor --json` run with a good, a missing, a conflicting, a colliding model dir and one whose
+    config.json is not JSON (doctor reports each in its table rather than stopping at the first)."""
     base = tmp_path_factory.mktemp("models")
     configs = {"good": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
                "cls": {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]},
@@ -152,8 +153,10 @@ def cli_run(tmp_path_factory):
     for name, cfg in configs.items():
         (base / name).mkdir()
         (base / name / "config.json").write_text(json.dumps(cfg))
+    (base / "badjson").mkdir()
+    (base / "badjson" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,,}')
     dirs = ["--model-dir", str(base / "good"), str(base / "nowhere"), str(base / "cls"), "--model-dir",
-            str(base / "aimv2")]
+            str(base / "aimv2"), str(base / "badjson")]
     proc = subprocess.run([sys.executable, "-m", "labkit", "doctor", "--json", *dirs], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
@@ -179,11 +182,12 @@ def test_doctor_json_has_the_documented_keys_and_types(cli_run):
 @pytest.mark.slow
 def test_doctor_exits_1_with_readable_fixes_for_broken_and_conflicting_dirs(cli_run):
     code, out, err = cli_run
-    assert code == 1, err[-2000:]
+    assert code == 1 and "Traceback" not in out + err, err[-2000:]
     problems = json.loads(out)["problems"]
     whats = " | ".join(p["what"] for p in problems)
-    assert len(problems) == 3, whats  # the good directory adds nothing of its own
+    assert len(problems) == 4, whats  # the good directory adds nothing of its own
     assert "nowhere' does not exist" in whats
+    assert "badjson/config.json is not valid JSON" in whats
     assert "claim model_type 'llama' with different architectures" in whats
     assert "'aimv2' is already used by a Transformers config" in whats
     assert all(len(p["fix"]) > 20 for p in problems)
