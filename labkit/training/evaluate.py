@@ -4,7 +4,8 @@ The validation set (`labkit data build --val-fraction`, `<dataset>/val`) is read
 evaluation reads (all, or `train.eval_samples` of them, below) are cut into B = n // micro_batch batches in file
 order (a tail shorter than a batch is left out, the same for every layout). Under data parallel, rank r evaluates
 batches r, r + dp, r + 2 dp, ...; the ranks' loss sums and batch counts are added over ranks, so the figure is the
-one a single card evaluating all B batches gets (up to float summation order). Every batch holds micro_batch x seq_len labels, so the mean of batch means is the mean over tokens.
+one a single card evaluating all B batches gets (up to float summation order). Every batch holds micro_batch x
+seq_len labels, so the mean of batch means is the mean over tokens.
 
 `train.eval_samples` N > 0 reads N samples spread evenly over the set (every (n_val - 1) / (N - 1)-th one), the
 same ones at every evaluation, so the points of a curve compare like with like and no part of the set (a language,
