@@ -9,6 +9,8 @@ two-test file of three minutes (test_multinode.py) last, running alone while the
 `alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
+import labkit  # noqa: F401  first, before any test module imports MindSpore: labkit/__init__.py sets its launch mode
+
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
     "notebooks/04_single_card.ipynb",  # 252
     "notebooks/08_troubleshooting.ipynb",  # 223
