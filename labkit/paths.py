@@ -2,6 +2,7 @@
 directory (nbval runs in notebooks/, papermill wherever it is called); user paths stay relative to the caller."""
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -11,6 +12,8 @@ DATA = ROOT / "data"
 NOTEBOOKS = ROOT / "notebooks"
 RUNS = ROOT / "runs"
 _LAB_PREFIXES = ("configs/", "data/", "notebooks/", "runs/")
+NPU_DEVICE_FILES = "/dev/davinci[0-9]*"  # one per Ascend NPU the machine has
+GPU_DEVICE_FILES = "/dev/nvidia[0-9]*"  # one per NVIDIA GPU
 
 
 def lab_path(p: str | os.PathLike) -> Path:
@@ -22,3 +25,8 @@ def lab_path(p: str | os.PathLike) -> Path:
     if str(p).replace("\\", "/").startswith(_LAB_PREFIXES):
         return ROOT / path
     return path
+
+
+def accelerator_device_files() -> list[str]:
+    """The device files of this machine's Ascend NPUs and NVIDIA GPUs (none on a CPU-only machine)."""
+    return glob.glob(NPU_DEVICE_FILES) + glob.glob(GPU_DEVICE_FILES)

@@ -1,14 +1,13 @@
 """labkit/__init__.py: on a machine without accelerator devices, importing labkit makes MindSpore launch operators
 synchronously (MS_DEV_LAUNCH_BLOCKING=1) before MindSpore starts; a value already set wins. The speed it buys is
 measured by bench/pynative_launch.py, not here."""
-import glob
 import os
 import subprocess
 import sys
 
 import pytest
 
-from labkit.paths import ROOT
+from labkit.paths import ROOT, accelerator_device_files
 
 PROBE = "import os, labkit, mindspore; print(os.environ.get('MS_DEV_LAUNCH_BLOCKING'))"
 
@@ -21,7 +20,7 @@ def _probe(**env):
     return p.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.skipif(bool(glob.glob("/dev/davinci[0-9]*") or glob.glob("/dev/nvidia[0-9]*")),
+@pytest.mark.skipif(bool(accelerator_device_files()),
                     reason="this machine has accelerator devices: labkit leaves MindSpore's launch mode alone")
 def test_importing_labkit_on_a_cpu_only_machine_sets_blocking_launch():
     assert _probe() == "1"

@@ -20,7 +20,7 @@ from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
-from labkit.paths import CONFIGS, ROOT, RUNS
+from labkit.paths import CONFIGS, GPU_DEVICE_FILES, NPU_DEVICE_FILES, ROOT, RUNS
 from labkit.parallel.devices import cpu_matrix_isa
 from labkit.doctor.registries import check_model_dirs, hf_registry, mf_registry, read_model_dir, shadowed_registrations
 from labkit.doctor.registries import issue
@@ -127,9 +127,9 @@ def collect_hardware() -> dict:
                 cudart.add(f"{m.group(1)}.{m.group(2)}")
     ascend = Path(os.environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend/ascend-toolkit/latest")
     return {
-        "nvidia_gpus": [g for g in gpus if g] or [Path(p).name for p in glob.glob("/dev/nvidia[0-9]*")],
+        "nvidia_gpus": [g for g in gpus if g] or [Path(p).name for p in glob.glob(GPU_DEVICE_FILES)],
         "cuda_runtimes": sorted(cudart),
-        "npus": sorted(Path(p).name for p in glob.glob("/dev/davinci[0-9]*")),
+        "npus": sorted(Path(p).name for p in glob.glob(NPU_DEVICE_FILES)),
         "cann": _version_file(ascend / "compiler" / "version.info"),
         "ascend_driver": _version_file(Path("/usr/local/Ascend/driver/version.info")),
         "cpu_matrix_isa": cpu_matrix_isa()["summary"],  # what a bf16/fp16 matmul can use on this CPU
