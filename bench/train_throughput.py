@@ -93,14 +93,35 @@ def torch_worker(preset: str, steps: int, micro_batch: int, seq_len: int, bf16: 
     return out
 
 
+def torch_bf16_gemm_missing(n: int = 256) -> str | None:
+    """Why torch has no usable bf16 GEMM on this CPU, or None. Without AVX-512 torch 2.13 multiplies bfloat16 in a
+    scalar reference loop on one thread: 1.3 against 168 GFLOP/s fp32 at n=512 on a 2-core AVX2 EPYC, so the bf16
+    probe and training column would take many minutes to say only that. Measured, not guessed from CPU flags."""
+    import torch
+
+    def seconds(dtype) -> float:
+        a, c = torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
+        torch.matmul(a, a, out=c)
+        t = time.perf_counter()
+        torch.matmul(a, a, out=c)
+        return time.perf_counter() - t
+
+    slower = seconds(torch.bfloat16) / seconds(torch.float32)
+    if slower > 10:  # a bf16 kernel, even one that converts to fp32, costs at most a few times fp32
+        return f"torch's bf16 matmul is {slower:.0f}x slower than fp32 on this CPU (no bf16 GEMM kernel for it)"
+    return None
+
+
 def torch_gemm_worker(sizes=(1024, 2048), seconds: float = 1.5, per_run: int = 4) -> dict:
     """torch's GEMM peak: into a preallocated out= buffer (no allocation in the timed loop), best of the runs
-    that fit in `seconds` per size (at least 3), like MindSpore's probe."""
+    that fit in `seconds` per size (at least 3), like MindSpore's probe. bf16 is None (and `bf16_missing` says
+    why) where torch has no bf16 GEMM kernel for the CPU."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    peaks = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    missing = torch_bf16_gemm_missing()
+    peaks = {"bf16": None, "bf16_missing": missing}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))[:1 if missing else 2]:
         best = 0.0
         for n in sizes:
             a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
@@ -146,6 +167,8 @@ def in_fresh_process(*args: str) -> dict:
 def run_column(col: str, a, rnd: int) -> dict:
     from labkit.paths import RUNS
 
+    if col == "torch_bf16" and a.bf16_missing:
+        return None
     if col.startswith("ms_"):
         return ms_train(a.preset, a.steps, a.micro_batch, a.seq_len, col[3:],
                         RUNS / "bench" / "train_throughput" / f"{a.preset}_{col}_{rnd}")
@@ -166,13 +189,18 @@ def summarise(a, runs: dict, peaks: dict) -> dict:
     res = {"preset": a.preset, "micro_batch": a.micro_batch, "seq_len": a.seq_len, "rounds": a.rounds,
            "warmup_steps": WARMUP_STEPS, "steps_timed": a.steps - WARMUP_STEPS, "flops_per_token": fpt,
            "gemm_gflops": peaks["ms"]["fp32"] / 1e9, "torch_gemm_gflops": peaks["torch"]["fp32"] / 1e9,
-           "torch_bf16_gemm_gflops": peaks["torch"]["bf16"] / 1e9}
+           "torch_bf16_gemm_gflops": peaks["torch"]["bf16"] and peaks["torch"]["bf16"] / 1e9,
+           "torch_bf16_missing": peaks["torch"]["bf16_missing"]}
     peak_of = {"ms_native": peaks["ms"]["fp32"], "ms_custom": peaks["ms"]["fp32"], "torch": peaks["torch"]["fp32"],
                "torch_bf16": peaks["torch"]["bf16"]}
     for col, rs in runs.items():
+        key = "ms" if col == "ms_native" else col  # ms_tokens_per_s / torch_tokens_per_s keep their old names
+        if None in rs:  # a column this CPU cannot run (torch bf16 without a bf16 GEMM): its keys say null
+            res.update({f"{key}_tokens_per_s": None, f"{key}_mfu": None, f"{key}_best_tokens_per_s": None,
+                        f"{key}_spread": None})
+            continue
         medians = [steady_stats(r["step_times"])["median"] for r in rs]
         step = statistics.median(medians)
-        key = "ms" if col == "ms_native" else col  # ms_tokens_per_s / torch_tokens_per_s keep their old names
         res[f"{key}_tokens_per_s"] = tokens / step
         res[f"{key}_mfu"] = fpt * tokens / step / peak_of[col]
         # the fastest steady step: on a shared machine the figure least disturbed by other users
@@ -198,16 +226,22 @@ def print_table(r: dict):
     print(f"{r['preset']}: micro-batch {r['micro_batch']} x seq {r['seq_len']}, {r['rounds']} interleaved rounds, "
           f"median step after {r['warmup_steps']} warm-up steps")
     print(f"{'':24}" + "".join(f"{LABELS[c]:>18}" for c in COLUMNS))
-    print(f"{'tokens/s':24}" + "".join(f"{r[keys[c] + '_tokens_per_s']:>18.0f}" for c in COLUMNS))
-    print(f"{'tokens/s, fastest step':24}" + "".join(f"{r[keys[c] + '_best_tokens_per_s']:>18.0f}" for c in COLUMNS))
-    print(f"{'MFU vs own GEMM peak':24}" + "".join(f"{r[keys[c] + '_mfu']:>18.1%}" for c in COLUMNS))
-    print(f"{'step s (per round)':24}" + "".join(
-        f"{'/'.join(f'{m:.3f}' for m in r[keys[c] + '_spread']['step_s_per_round']):>18}" for c in COLUMNS))
+    def row(label, suffix, fmt):
+        print(f"{label:24}" + "".join(f"{'n/a' if r[keys[c] + suffix] is None else fmt(r[keys[c] + suffix]):>18}"
+                                      for c in COLUMNS))
+
+    row("tokens/s", "_tokens_per_s", lambda v: f"{v:.0f}")
+    row("tokens/s, fastest step", "_best_tokens_per_s", lambda v: f"{v:.0f}")
+    row("MFU vs own GEMM peak", "_mfu", lambda v: f"{v:.1%}")
+    row("step s (per round)", "_spread", lambda v: "/".join(f"{m:.3f}" for m in v["step_s_per_round"]))
+    bf16 = "n/a" if r["torch_bf16_gemm_gflops"] is None else f"{r['torch_bf16_gemm_gflops']:.0f}"
     print(f"GEMM peak GFLOP/s: MindSpore fp32 {r['gemm_gflops']:.0f}, torch fp32 {r['torch_gemm_gflops']:.0f}, "
-          f"torch bf16 {r['torch_bf16_gemm_gflops']:.0f}   ratio MindSpore/PyTorch fp32 {r['ratio']:.2f}, "
+          f"torch bf16 {bf16}   ratio MindSpore/PyTorch fp32 {r['ratio']:.2f}, "
           f"with custom kernels {r['custom_ratio']:.2f}; custom vs native loss max |diff| (10 steps) "
           f"{r['custom_max_loss_diff']:.2e}")
     print(f"machine: {r['machine']}")
+    if r["torch_bf16_missing"]:
+        print(f"PyTorch bf16: not run, {r['torch_bf16_missing']}")
     for name, table in r.get("profile", {}).items():
         print(f"\ntop operators, {name}:")
         for row in table[:10]:
@@ -283,6 +317,9 @@ def main(argv=None) -> int:
     ensure_dataset(a.seq_len)  # build once, outside the timed runs
     a.load_before = os.getloadavg()[0]
     peaks = {"ms": in_fresh_process("ms-gemm"), "torch": in_fresh_process("torch-gemm")}
+    a.bf16_missing = peaks["torch"]["bf16_missing"]
+    if a.bf16_missing:
+        print(f"PyTorch bf16 column skipped: {a.bf16_missing}", file=sys.stderr)
     runs: dict[str, list] = {c: [] for c in COLUMNS}
     for rnd in range(a.rounds):
         for col in COLUMNS:
@@ -295,7 +332,7 @@ def main(argv=None) -> int:
         profs = profiles(a)
         result["profile"] = {name: p["table"] for name, p in profs.items()}
         result["account"] = {kind: account(profs[kind], profs["torch"]) for kind in ("mindspore_native", "mindspore_custom")}
-    bad = {k: v for k, v in result.items() if k.endswith("_mfu") and not 0 < v <= 1}
+    bad = {k: v for k, v in result.items() if k.endswith("_mfu") and v is not None and not 0 < v <= 1}
     assert not bad, f"impossible MFU {bad}: a GEMM peak is under-measured"
     if a.json:
         emit(a, result)
