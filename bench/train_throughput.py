@@ -226,14 +226,14 @@ def print_table(r: dict):
     print(f"{r['preset']}: micro-batch {r['micro_batch']} x seq {r['seq_len']}, {r['rounds']} interleaved rounds, "
           f"median step after {r['warmup_steps']} warm-up steps")
     print(f"{'':24}" + "".join(f"{LABELS[c]:>18}" for c in COLUMNS))
-    def row(label, suffix, fmt):
+    def line(label, suffix, fmt):
         print(f"{label:24}" + "".join(f"{'n/a' if r[keys[c] + suffix] is None else fmt(r[keys[c] + suffix]):>18}"
                                       for c in COLUMNS))
 
-    row("tokens/s", "_tokens_per_s", lambda v: f"{v:.0f}")
-    row("tokens/s, fastest step", "_best_tokens_per_s", lambda v: f"{v:.0f}")
-    row("MFU vs own GEMM peak", "_mfu", lambda v: f"{v:.1%}")
-    row("step s (per round)", "_spread", lambda v: "/".join(f"{m:.3f}" for m in v["step_s_per_round"]))
+    line("tokens/s", "_tokens_per_s", lambda v: f"{v:.0f}")
+    line("tokens/s, fastest step", "_best_tokens_per_s", lambda v: f"{v:.0f}")
+    line("MFU vs own GEMM peak", "_mfu", lambda v: f"{v:.1%}")
+    line("step s (per round)", "_spread", lambda v: "/".join(f"{m:.3f}" for m in v["step_s_per_round"]))
     bf16 = "n/a" if r["torch_bf16_gemm_gflops"] is None else f"{r['torch_bf16_gemm_gflops']:.0f}"
     print(f"GEMM peak GFLOP/s: MindSpore fp32 {r['gemm_gflops']:.0f}, torch fp32 {r['torch_gemm_gflops']:.0f}, "
           f"torch bf16 {bf16}   ratio MindSpore/PyTorch fp32 {r['ratio']:.2f}, "

@@ -227,8 +227,8 @@ class ModelConfig:
 
 MODEL_PRESETS: dict[str, dict] = {
     # learns visibly in a minute on 2 CPU cores; vocab matches the shipped tokenizer. Two decoder layers: every
-    # lesson here works at that depth, and the course's runs (each compiles a graph that grows with depth) took
-    # ~35% less CPU time than with four (the whole suite: 1,035 against 1,619 CPU-s on 2 cores)
+    # lesson here works at that depth, and the course's runs (each compiles a graph that grows with depth) take
+    # ~38% less CPU time than with four (notebook 04 back to back on 2 cores: 144 against 231 CPU-s)
     "tiny": dict(vocab_size=4096, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
                  max_position_embeddings=512),
     # ~30M parameters: a model where the matrix work, not the element-wise work, starts to dominate a CPU step
