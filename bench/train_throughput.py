@@ -207,9 +207,12 @@ def summarise(a, runs: dict, peaks: dict) -> dict:
         res[f"{key}_best_tokens_per_s"] = tokens / min(steady_stats(r["step_times"])["min"] for r in rs)
         res[f"{key}_spread"] = {"step_s_median": step, "step_s_per_round": medians,
                                 "rel_iqr_per_round": [steady_stats(r["step_times"])["rel_iqr"] for r in rs]}
-    # same data, same init: the custom kernels give the native losses up to float32 reordering; under AdamW at the
-    # peak learning rate such differences grow over the steps, so the first 10 steps are the comparison
+    # same data, same init: the custom kernels give the native losses up to float32 reordering. Step 1 is the
+    # kernels alone (same weights, ~2e-6); later steps carry it through AdamW at the peak learning rate, where a
+    # clipped gradient spike amplifies it (small on AVX2: norms of 11-16 at steps 2, 4, 6; then 4e-6 at step 8,
+    # 2e-5 at step 9, 2e-3 at step 10)
     diffs = [abs(x - y) for x, y in zip(runs["ms_native"][0]["losses"], runs["ms_custom"][0]["losses"])]
+    res["custom_first_loss_diff"] = diffs[0]
     res["custom_max_loss_diff"] = max(diffs[:10])
     res["custom_loss_diff_per_step"] = diffs
     res["ratio"] = res["ms_tokens_per_s"] / res["torch_tokens_per_s"]
@@ -237,8 +240,8 @@ def print_table(r: dict):
     bf16 = "n/a" if r["torch_bf16_gemm_gflops"] is None else f"{r['torch_bf16_gemm_gflops']:.0f}"
     print(f"GEMM peak GFLOP/s: MindSpore fp32 {r['gemm_gflops']:.0f}, torch fp32 {r['torch_gemm_gflops']:.0f}, "
           f"torch bf16 {bf16}   ratio MindSpore/PyTorch fp32 {r['ratio']:.2f}, "
-          f"with custom kernels {r['custom_ratio']:.2f}; custom vs native loss max |diff| (10 steps) "
-          f"{r['custom_max_loss_diff']:.2e}")
+          f"with custom kernels {r['custom_ratio']:.2f}; custom vs native loss |diff| step 1 "
+          f"{r['custom_first_loss_diff']:.1e}, max over 10 steps {r['custom_max_loss_diff']:.1e}")
     print(f"machine: {r['machine']}")
     if r["torch_bf16_missing"]:
         print(f"PyTorch bf16: not run, {r['torch_bf16_missing']}")
