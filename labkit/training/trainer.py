@@ -72,8 +72,10 @@ class Trainer:
             try:
                 net = ms.amp.auto_mixed_precision(self.model, "O1")
             except Exception as e:  # MindSpore's network rewrite cannot parse mindformers' Linear (2.9.0)
+                # with kernels custom it stops earlier, at labkit's own cell classes (built inside functions)
+                what = "mindformers' Llama" + (" with labkit's custom cells" if t.kernels == "custom" else "")
                 raise LabkitFailure(
-                    f"amp_level O1: ms.amp.auto_mixed_precision(model, 'O1') failed on mindformers' Llama: "
+                    f"amp_level O1: ms.amp.auto_mixed_precision(model, 'O1') failed on {what}: "
                     f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
                     "use amp_level O2 (float16 compute through mindformers' own dtype settings) or O0") from e
         net.set_train(True)
