@@ -63,6 +63,28 @@ def test_leak_monitor_flags_memory_kept_every_step_and_not_a_flat_loop():
     assert M.LeakMonitor().report()["flagged"] is False
 
 
+def test_leak_monitor_leaves_out_one_off_jumps_after_evaluations_and_saves(monkeypatch):
+    """RSS as the tiny model's 40-step run measured it (flat, +11, +23 and +1.3 MB right after the saves at steps
+    10, 20, 30 and the evaluation at 20): a 1.25 MB/step 'leak' unless those steps are marked; a real 3 MB/step leak
+    with the same jumps keeps its slope when they are marked."""
+    def run(leak: float, mark: bool) -> dict:
+        mon, level = M.LeakMonitor(), [1195.0]
+        monkeypatch.setattr(M, "rss_mb", lambda: level[0])
+        for step in range(1, 41):
+            mon({"step": step})
+            level[0] += leak + {10: 11.0, 20: 23.1, 30: 1.3}.get(step, 0.0)
+            if mark and step % 10 == 0:
+                mon.one_off(step)
+        return mon.report()
+
+    unmarked, marked = run(0.0, False), run(0.0, True)
+    assert unmarked["flagged"] and unmarked["slope_mb_per_step"] > 1.0, unmarked
+    assert not marked["flagged"] and marked["slope_mb_per_step"] == 0.0, marked
+    assert "one-off changes after steps 10, 20, 30 left out" in marked["message"]
+    leak = run(3.0, True)
+    assert leak["flagged"] and leak["slope_mb_per_step"] == 3.0, leak
+
+
 def test_halving_stops_at_the_first_fit_and_on_a_non_memory_death():
     def probe(limit, other_death_at=None):
         def run(mb):

@@ -282,6 +282,7 @@ class Trainer:
                 self.memory(rec)
                 if self.evaluator is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
                     rec.update(self.evaluate())
+                    self.memory.one_off(self.step)
                 if rank0:
                     events.add(rec)
                     with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
@@ -292,6 +293,7 @@ class Trainer:
                     on_step(rec)
                 if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
                     self.save()
+                    self.memory.one_off(self.step)
         finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
             bar.close()
             if events is not None:
