@@ -300,8 +300,9 @@ class Trainer:
                 events.close()
             if lock is not None:
                 lock.release()
-        if self.memory.report()["flagged"] and rank0:
-            self.log(self.memory.report()["message"])
+        memory = self.memory.report()
+        if memory["flagged"] and rank0:
+            self.log(memory["message"])
         summary = self.summary()
         if rank0 and (summary["mfu"] or 0) > 1:
             self.log(f"warning: MFU {summary['mfu']:.0%} is impossible: the peak {self.peak_flops / 1e12:.3g} TFLOP/s "
