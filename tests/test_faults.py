@@ -124,6 +124,33 @@ def test_train_resume_says_it_fell_back(tmp_path):
 # ------------------------------------------------------------------------------------------ kill drills
 
 
+def test_a_fault_drill_must_fall_inside_the_run():
+    from labkit.training.fault import Fault, check_fault
+
+    assert check_fault(None, 3, 2, 0, 4) is None
+    assert check_fault(1, 3, 2, 0, 4) == Fault(1, 3)
+    with pytest.raises(LabkitError, match="--kill-rank 2: the job has ranks 0..1"):
+        check_fault(2, 3, 2, 0, 4)
+    with pytest.raises(LabkitError, match="--kill-after-step 4 is not inside the run") as e:
+        check_fault(1, 4, 2, 0, 4)  # after the last step the run has ended: no longer a mid-run kill
+    assert "between 1 and 3" in e.value.fix
+    with pytest.raises(LabkitError, match="--kill-after-step 2 is not inside the run"):
+        check_fault(0, 2, 1, 2, 4)  # a resumed run starts after step 2
+
+
+def test_train_killed_by_its_own_drill_leaves_the_checkpoints_before_the_kill(tmp_path):
+    """`labkit train --kill-rank 0 --kill-after-step 3`: the process ends itself with SIGKILL right after step 3,
+    after that step's metrics, so what it leaves is fixed by the step, never by how fast anything ran."""
+    out = tmp_path / "killed"
+    p = subprocess.run([sys.executable, "-m", "labkit", "train", "--output", str(out), *SMALL_SETS, "--steps", "5",
+                        "--set", "train.save_every=2", "--set", "train.eval_every=0", "--kill-rank", "0",
+                        "--kill-after-step", "3"], capture_output=True, text=True, env=_env(), timeout=900)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert "fault drill: rank 0 ends itself with SIGKILL after step 3" in p.stderr
+    assert [m["step"] for m in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
+    assert [c.name for c in checkpoint.list_checkpoints(out)] == ["step_000002"]
+
+
 @pytest.mark.parametrize("name,points", [("ckpt", 3), ("data", 2), ("convert", 2)])
 def test_sigkill_never_leaves_a_half_written_output(name, points, tmp_path):
     drill = _drill_module()

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from labkit.training.metrics import read_metrics
+from labkit.training.fault import Fault, check_fault
 from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
                                     python_on_path)
 from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Outcome, Supervisor, log_tail, start_guard,
@@ -112,7 +113,8 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
            kill_after_step: int = 1, log=None, show_report: bool = True) -> LaunchResult:
     """Validate, start `labkit train` on `workers` processes (x `nodes`), watch, and return a LaunchResult.
 
-    `kill_rank`/`kill_after_step` are a fault drill: SIGKILL that rank once rank 0 has logged that step.
+    `kill_rank`/`kill_after_step` are a fault drill: that rank ends itself with SIGKILL right after that step
+    (injected inside the worker, so where the run stops never depends on how fast this launcher looks).
     `timeout` (seconds) ends the job as failed when it runs longer. Every process is ended before returning,
     also on KeyboardInterrupt (which is then re-raised)."""
     from labkit.io import OutputLock
@@ -121,14 +123,17 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     pl = prepare(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
                  master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
                  micro_batch=micro_batch, accum=accum, seed=seed)
+    fault = check_fault(kill_rank, kill_after_step, pl.total, pl.start_step, pl.cfg.train.steps)
     lock = OutputLock(Path(pl.output), pl.node_rank, "labkit launch").acquire()  # before --overwrite clears anything
     try:
-        files = write_files(pl, overwrite)
+        files = write_files(pl, overwrite, fault)
         log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in "
             f"{files.logs}")
+        if fault is not None:
+            log(f"fault drill: rank {fault.rank} will end itself with SIGKILL right after step {fault.after_step}")
         log(" ".join(files.command))
         sup, guard = start(pl, files, timeout)
-        watch = Watch(pl, files, sup, progress, kill_rank, kill_after_step, log)
+        watch = Watch(pl, files, progress)
         outcome = None
         try:
             outcome = supervise(sup, watch.tick)
@@ -149,7 +154,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     return result
 
 
-def write_files(pl: PreparedLaunch, overwrite: bool) -> LaunchFiles:
+def write_files(pl: PreparedLaunch, overwrite: bool, fault: Fault | None = None) -> LaunchFiles:
     """Node 0 clears an overwritten run and trims a resumed run's metrics; every node writes its own config."""
     from labkit.config import dump_run_config
     from labkit.io import atomic_write_text
@@ -167,7 +172,7 @@ def write_files(pl: PreparedLaunch, overwrite: bool) -> LaunchFiles:
         old.unlink(missing_ok=True)  # processes; until then the supervisor must not read a previous run's words
     atomic_write_text(config_file, dump_run_config(pl.cfg))
     return LaunchFiles(output=out, logs=logs, config_file=config_file, metrics=out / "metrics.jsonl",
-                       command=tuple(command(pl, config_file, logs)))
+                       command=tuple(command(pl, config_file, logs) + fault_args(fault)))
 
 
 def job_env(logs: Path) -> dict:
@@ -195,12 +200,16 @@ def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None):
     return sup, start_guard(root.pid)
 
 
-class Watch:
-    """After each look at the job: progress from rank 0's metrics (node 0 only) and the fault drill."""
+def fault_args(fault: Fault | None) -> list[str]:
+    """The worker flags of a fault drill (`labkit train --kill-rank R --kill-after-step K`)."""
+    return [] if fault is None else ["--kill-rank", str(fault.rank), "--kill-after-step", str(fault.after_step)]
 
-    def __init__(self, pl, files, sup, progress, kill_rank, kill_after_step, log):
-        self.pl, self.files, self.sup, self.log = pl, files, sup, log
-        self.kill_rank, self.kill_after_step, self.killed = kill_rank, kill_after_step, False
+
+class Watch:
+    """After each look at the job: progress from rank 0's metrics (node 0 only)."""
+
+    def __init__(self, pl, files, progress):
+        self.pl, self.files = pl, files
         self.steps_seen = pl.start_step
         self.bar = _bar(pl, progress)
 
@@ -211,11 +220,6 @@ class Watch:
             if self.bar is not None:
                 self.bar.update(self.steps_seen - self.bar.n)
                 self.bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}", refresh=False)
-        k = self.kill_rank
-        if k is not None and not self.killed and self.steps_seen >= self.kill_after_step and k in self.sup.ranks:
-            pid = self.sup.kill_rank(k)
-            self.log(f"fault drill: SIGKILL to rank {k} (pid {pid}) after step {self.steps_seen}")
-            self.killed = True
 
     def close(self):
         if self.bar is not None:
@@ -320,8 +324,6 @@ def add_cli(parser) -> None:
     add_train_flags(parser)
     parser.add_argument("--overwrite", action="store_true", help="start over in an --output that holds a run")
     parser.add_argument("--timeout", type=float, help="end the job as failed after this many seconds")
-    parser.add_argument("--kill-rank", type=int, help="fault drill: SIGKILL this rank ...")
-    parser.add_argument("--kill-after-step", type=int, default=1, help="... once rank 0 has logged this step")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command, start nothing")
     add_common_flags(parser, "print one JSON object (the launch result)")
     parser.set_defaults(func=_cli)
@@ -336,7 +338,8 @@ def _cli(args) -> int:
               seed=args.seed)
     if args.dry_run:
         pl = prepare(args.config, args.workers, **kw)
-        cmd = command(pl, *node_files(pl))
+        fault = check_fault(args.kill_rank, args.kill_after_step, pl.total, pl.start_step, pl.cfg.train.steps)
+        cmd = command(pl, *node_files(pl)) + fault_args(fault)
         payload = {"ok": True, "workers": pl.total, "parallel_mode": pl.mode, "dp": pl.dp,
                    "global_batch": pl.global_batch, "dataset": pl.dataset, "output": pl.output,
                    "master_port": pl.master_port, "command": cmd}

@@ -33,6 +33,7 @@ from labkit.training.step import grad_ops, update_tail
 from labkit.training.metrics import rewrite_metrics, steady, steady_throughput
 from labkit.training.monitor import LeakMonitor
 from labkit.training.tensorboard import EventWriter
+from labkit.training.fault import Fault, check_fault
 
 
 class Trainer:
@@ -262,8 +263,11 @@ class Trainer:
         self.log(f"resumed from {ck} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
-    def run(self, on_step=None) -> dict:
+    def run(self, on_step=None, fault: Fault | None = None) -> dict:
+        """Train to cfg.train.steps. `fault` is a drill: its rank ends itself with SIGKILL right after that step."""
         t, rank0 = self.cfg.train, self.world.rank == 0
+        if fault is not None:
+            check_fault(fault.rank, fault.after_step, self.world.size, self.step, t.steps)
         if self.peak_flops is None and rank0:  # the MFU is rank 0's figure (metrics.jsonl): the others skip the probe
             from labkit.parallel.devices import cached_gemm_peak
 
@@ -294,6 +298,8 @@ class Trainer:
                 if (t.save_every and self.step % t.save_every == 0) or self.step == t.steps:
                     self.save()
                     self.memory.one_off(self.step)
+                if fault is not None and fault.hits(self.world.rank, self.step):
+                    fault.die(self.log)
         finally:  # a stopped run (NaN, interrupt) must not leave a bar to be redrawn at exit
             bar.close()
             if events is not None:
@@ -391,8 +397,8 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, file=sys.stderr)
 
 
-def train(cfg: RunConfig, resume: bool = False, on_step=None, log=None) -> dict:
-    return Trainer(cfg, resume=resume, log=log).run(on_step=on_step)
+def train(cfg: RunConfig, resume: bool = False, on_step=None, log=None, fault: Fault | None = None) -> dict:
+    return Trainer(cfg, resume=resume, log=log).run(on_step=on_step, fault=fault)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -409,6 +415,8 @@ def add_train_flags(parser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--output", help="run folder (checkpoints, metrics.jsonl)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest full checkpoint in --output")
+    parser.add_argument("--kill-rank", type=int, help="fault drill: this rank ends itself with SIGKILL ...")
+    parser.add_argument("--kill-after-step", type=int, default=1, help="... right after this step (default 1)")
 
 
 def config_from_args(args) -> RunConfig:
@@ -433,7 +441,8 @@ def _cli(args) -> int:
     from labkit.output import emit
 
     cfg = config_from_args(args)
-    summary = train(cfg, resume=args.resume)
+    fault = Fault(args.kill_rank, args.kill_after_step) if args.kill_rank is not None else None
+    summary = train(cfg, resume=args.resume, fault=fault)
     if int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0) == 0:
         text = (f"trained to step {summary['steps']}: loss {summary['first_loss']:.4f} → {summary['final_loss']:.4f}, "
                 f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}\n"
