@@ -38,11 +38,16 @@ def _cmdline(p) -> list[str]:
         return []
 
 
+# steps no machine trains through while a test interrupts or times out the job: what is checked (every process ended)
+# must not depend on whether the run would have finished first
+NEVER_ENDS = 1_000_000
+
+
 @contextlib.contextmanager
 def running_launcher(tmp_path, name):
     """`labkit launch` in a subprocess, yielded once msrun has started both workers; everything is ended after."""
     proc = subprocess.Popen([sys.executable, "-m", "labkit", "launch", "--config", "configs/dp2_cpu.yaml",
-                             "--output", str(tmp_path / name), "--steps", "50", "--json"], stdout=subprocess.PIPE,
+                             "--output", str(tmp_path / name), "--steps", str(NEVER_ENDS), "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                             env={**os.environ, "GLOG_v": "3"})
     me, seen = psutil.Process(proc.pid), set()
@@ -88,7 +93,7 @@ def test_launcher_death_ends_every_process(tmp_path):
 
 
 def test_timeout_ends_a_single_worker_run(tmp_path):
-    res = launch.launch("configs/tiny_cpu.yaml", workers=1, output=tmp_path / "slow", steps=50, timeout=3,
+    res = launch.launch("configs/tiny_cpu.yaml", workers=1, output=tmp_path / "slow", steps=NEVER_ENDS, timeout=3,
                         progress=False)
     assert not res.ok and res.reason.startswith("timed out after 3 s"), res.report()
     assert res.returncode != 0 and not _alive(res.pids)
