@@ -4,6 +4,8 @@ LivePlot, an `on_step` callback of the trainer in this process, and labkit.cours
 which tails metrics.jsonl written by another process."""
 from __future__ import annotations
 
+import functools
+import html
 import sys
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens/s"))
@@ -73,13 +75,46 @@ def display_function():
     return display if InteractiveShell.initialized() else None
 
 
+@functools.cache
+def _image_class():
+    """IPython's Image, also offered as text/html: the same PNG in an <img> whose alt text and data-update /
+    data-step attributes say which redraw of a live view it is (JupyterLab gives a bare image/png no alt text).
+    Made on first use: IPython is imported only when there is a kernel."""
+    from IPython.display import Image as IPythonImage
+
+    class Image(IPythonImage):  # IPython's name: code that looks for images among the outputs finds these
+        def __init__(self, png: bytes, alt: str, **attrs):
+            super().__init__(data=png, format="png", alt=alt)
+            self.attrs = attrs
+
+        def _repr_mimebundle_(self, include=None, exclude=None):
+            data, metadata = super()._repr_mimebundle_(include, exclude)
+            b64 = data["image/png"]
+            extra = "".join(f' data-{k}="{v}"' for k, v in self.attrs.items())
+            alt = html.escape(self.alt, quote=True)
+            data.update({"text/html": f'<img src="data:image/png;base64,{b64}" alt="{alt}" title="{alt}"{extra}>',
+                         "text/plain": self.alt})
+            return data, metadata
+
+    return Image
+
+
+def figure_image(png: bytes, alt: str, **attrs):
+    """A PNG to display(), with its alt text and data-* attributes in the page (see _image_class)."""
+    return _image_class()(png, alt, **attrs)
+
+
 class LiveView:
     """A figure of metrics rows, optionally a status line above it, and at most one warning line, each a display
-    handle redrawn in place. Without a kernel it draws nothing, and a warning goes to stderr."""
+    handle redrawn in place. Without a kernel it draws nothing, and a warning goes to stderr.
 
-    def __init__(self, panels=PANELS, label: str = "run", status=None):
-        self.panels, self.label, self.status = panels, label, status  # status(rows) -> str, or None
-        self.warning, self.handles = None, {}
+    The figure counts its redraws: `updates` (0: the empty figure shown first) and the step of the last row drawn
+    are in the page, as the image's alt text and its data-update / data-step attributes, so a reader of the page
+    knows which state it shows without timing anything. `steps`, when known, is the step the run ends at."""
+
+    def __init__(self, panels=PANELS, label: str = "run", status=None, steps: int | None = None):
+        self.panels, self.label, self.status, self.steps = panels, label, status, steps  # status(rows) -> str
+        self.warning, self.handles, self.updates, self.step = None, {}, 0, 0
         self.display = display_function()
         if self.display is None:
             return
@@ -87,17 +122,25 @@ class LiveView:
             self.handles["status"] = self.display(Text(status([])), display_id=True)
         self.handles["figure"] = self.display(self._image([]), display_id=True)
 
+    def caption(self) -> str:
+        of = f" of {self.steps}" if self.steps else ""
+        titles = ", ".join(p[1] for p in self.panels)
+        return f"{self.label}: {titles} by step; update {self.updates}, step {self.step}{of}"
+
     def _image(self, rows: list[dict]):
-        from IPython.display import Image
+        png = figure_png({self.label: rows}, self.panels)
+        return figure_image(png, self.caption(), update=self.updates, step=self.step)
 
-        return Image(data=figure_png({self.label: rows}, self.panels))
-
-    def show(self, rows: list[dict]) -> None:
-        """Redraw the status line and the figure for these rows."""
-        if "status" in self.handles:
-            self.handles["status"].update(Text(self.status(rows)))
+    def draw(self, rows: list[dict]) -> None:
+        """Redraw the figure for these rows: one more update, whether it adds one step or many."""
+        self.updates, self.step = self.updates + 1, rows[-1]["step"] if rows else 0
         if "figure" in self.handles:
             self.handles["figure"].update(self._image(rows))
+
+    def tell(self, rows: list[dict]) -> None:
+        """Rewrite the status line for these rows."""
+        if "status" in self.handles:
+            self.handles["status"].update(Text(self.status(rows)))
 
     def warn(self, message: str) -> None:
         """Show a warning line under the figure, once (later warnings are dropped: the first one is the cause);
@@ -112,7 +155,9 @@ class LiveView:
 
 
 class LivePlot:
-    """`on_step` callback for labkit.training.trainer: redraws the live view every `every` steps."""
+    """`on_step` callback for labkit.training.trainer: redraws the live view every `every` steps, and at close()
+    if steps came after the last redraw (a run of n steps redraws n // every times, and once more if n is not a
+    multiple of `every`)."""
 
     def __init__(self, every: int = 5, panels=PANELS, label: str = "run"):
         self.every, self.rows = every, []
@@ -121,7 +166,8 @@ class LivePlot:
     def __call__(self, rec: dict) -> None:
         self.rows.append(rec)
         if len(self.rows) % self.every == 0:
-            self.view.show(self.rows)
+            self.view.draw(self.rows)
 
     def close(self) -> None:
-        self.view.show(self.rows)
+        if self.rows and self.view.step != self.rows[-1]["step"]:
+            self.view.draw(self.rows)

@@ -1,6 +1,7 @@
 """Running the resolved run: `labkit launch` with a live view of loss, tokens/s, MFU and memory from metrics.jsonl."""
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from pathlib import Path
@@ -27,28 +28,62 @@ def status_line(rows: list[dict], steps: int) -> str:
             f"peak memory {r['peak_mem_mb']:,.0f} MB  lr {r['lr']:.2e}")
 
 
-class Follower(threading.Thread):
-    """Reads rank 0's metrics.jsonl every `every` seconds and redraws a live view (status line and figure) when
-    rows were added; a failure to read or draw is shown once as a warning line, and following goes on."""
+FIGURES = 8  # about how many times the live figure is redrawn over a run (the status line: at every poll)
 
-    def __init__(self, metrics: Path, steps: int, every: float = 2.0):
+
+def figure_every(steps: int) -> int:
+    """Steps between two redraws of the live figure of a run of `steps` steps."""
+    return max(1, math.ceil(steps / FIGURES))
+
+
+def figure_steps(steps: int) -> list[int]:
+    """The steps at which the live figure of a run of `steps` steps (every one logged) is redrawn: every
+    figure_every(steps) steps, and the last. At least two for a run of two steps or more."""
+    every = figure_every(steps)
+    return sorted(set(range(every, steps + 1, every)) | {steps})
+
+
+class Follower(threading.Thread):
+    """Reads rank 0's metrics.jsonl every `every` seconds; the status line shows the newest row, and the figure is
+    redrawn at the steps of figure_steps(), each one in order even when one read brings several (a fast run, a slow
+    poll), and at stop() for a run that ended between them. The number of redraws depends on the steps the run
+    logged, not on how fast it logged them. A failure to read or draw is shown once as a warning line, and
+    following goes on."""
+
+    def __init__(self, metrics: Path, steps: int, every: float = 1.0):
         super().__init__(daemon=True)
         self.metrics, self.steps, self.every, self.seen = Path(metrics), steps, every, -1
-        self._stop_event = threading.Event()
-        self.view = plots.LiveView(PANELS, label="rank 0", status=lambda rows: status_line(rows, steps))
+        self.per_figure = figure_every(steps)
+        self._stop_event, self._lock = threading.Event(), threading.Lock()
+        self.view = plots.LiveView(PANELS, label="rank 0", status=lambda rows: status_line(rows, steps),
+                                   steps=steps)
 
-    def refresh(self) -> None:
+    def _due(self, step: int) -> bool:
+        drawn = self.view.step
+        return step > drawn and (step // self.per_figure > drawn // self.per_figure or step == self.steps)
+
+    def refresh(self, final: bool = False) -> None:
+        """Draw every figure due among the rows not read before (`final`: also the last row, if not drawn), then
+        the status line if there are new rows."""
         from labkit.training.metrics import read_metrics
 
-        rows = read_metrics(self.metrics.parent)
-        if len(rows) != self.seen:
-            self.seen = len(rows)
-            self.view.show(rows)
+        with self._lock:
+            rows = read_metrics(self.metrics.parent)
+            if len(rows) < self.seen:  # rewritten shorter (a resumed run): read it again from its start
+                self.seen, self.view.step = -1, 0
+            for i in range(max(self.seen, 0), len(rows)):
+                if self._due(rows[i]["step"]):
+                    self.view.draw(rows[:i + 1])
+            if final and rows and rows[-1]["step"] != self.view.step:
+                self.view.draw(rows)
+            if len(rows) != self.seen:
+                self.seen = len(rows)
+                self.view.tell(rows)
 
-    def poll(self) -> None:
+    def poll(self, final: bool = False) -> None:
         """refresh(), reporting (once) instead of raising: a display hiccup must not end the run."""
         try:
-            self.refresh()
+            self.refresh(final)
         except Exception as e:  # shown to the reader once, not swallowed
             self.view.warn(f"the live view of {self.metrics} failed: {type(e).__name__}: {e}")
 
@@ -58,8 +93,9 @@ class Follower(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
-        self.join(timeout=10)
-        self.poll()
+        if self.ident is not None:  # started
+            self.join()
+        self.poll(final=True)
 
 
 def _in_notebook() -> bool:
