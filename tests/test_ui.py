@@ -5,9 +5,12 @@ nbval and papermill run the notebooks headless, where a widget that never render
 shows, or a plot that never updates go unseen. Here:
 1. notebook 07 with `interactive = True`: the widget form appears with the parameter glossary, an invalid layout
    shows the validation message (and Apply refuses it), a valid change is applied, the smoke run starts from the
-   cells below and its live figure changes while it trains; the cells that read its result run without an error
-   (the notebook's later sections, evaluation and the way back to HF, are nbval's: they show nothing live);
-2. notebook 04 (main run only, few steps): the live plot changes while the kernel trains.
+   cells below and its live figure is redrawn at the steps labkit.course.pretrain.follow.figure_steps() names; the
+   cells that read its result run without an error (the notebook's later sections, evaluation and the way back to
+   HF, are nbval's: they show nothing live);
+2. notebook 04 (main run only, few steps): the live plot is redrawn every 10 steps while the kernel trains.
+Every wait is for a state the page must reach (a live figure says which redraw it is and which step it shows, see
+labkit.course.plots.LiveView), never for something to happen within a time: the budget only ends a hang.
 Screenshots land in runs/ui/ (git-ignored) with report.json (phase times, what was seen).
 
 Needs Debian's Chromium and a CJK font (`apt-get install -y chromium fonts-noto-cjk`) and the playwright package
@@ -94,8 +97,9 @@ class Deadline:
                         f"{self.phases}")
         return left
 
-    def ms(self, what: str, cap: float | None = None) -> float:
-        return 1000 * min(self.left(what), cap or float("inf"))
+    def ms(self, what: str) -> float:
+        """What is left of the budget, in ms: the timeout of a wait for a state (it guards against a hang only)."""
+        return 1000 * self.left(what)
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = round(time.monotonic() - self.start, 1)
@@ -233,7 +237,7 @@ def lab(tmp_path_factory, deadline):
         deadline.mark("server up")
         pw = sync_playwright().start()
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-                                     timeout=deadline.ms("starting Chromium", 60))
+                                     timeout=deadline.ms("starting Chromium"))
         context = browser.new_context(viewport={"width": 1500, "height": 1000})
         problems: list[str] = []
 
@@ -242,7 +246,7 @@ def lab(tmp_path_factory, deadline):
             page.on("pageerror", lambda e: problems.append(f"{name}: page error: {e}"))
             page.on("console", lambda m: problems.append(f"{name}: console {m.type}: {m.text}")
                     if m.type == "error" else None)
-            page.set_default_timeout(deadline.ms(f"opening {name}", 60))
+            page.set_default_timeout(deadline.ms(f"opening {name}"))
             # a workspace of its own, so the page does not also restore the notebooks other pages had open
             page.goto(f"{base}/lab/workspaces/{Path(name).stem}/tree/{name}?token={token}")
             nb = Notebook(page, name)
@@ -334,25 +338,38 @@ def running(cell) -> bool:
     return "*" in cell.locator(".jp-InputPrompt").inner_text()
 
 
-def follow_images(nb: Notebook, index: int, deadline: Deadline, what: str, shot: str) -> tuple[list[str], str]:
-    """Wait for cell `index` to show an image, then collect every distinct image it shows while it runs. The first
-    update after that first image is saved as runs/ui/<shot>_1.png, the cell's final figure as <shot>_2.png.
-    Returns the image sources seen while the cell was running, and the final one."""
-    cell, seen = nb.cell(index), []
-    img, outputs = cell.locator(".jp-OutputArea-output img").first, cell.locator(".jp-Cell-outputArea")
+# a cell's live figure (labkit.course.plots.LiveView): which redraw it is, the step it shows and its image, at once
+FIGURE_STATE = """(cell) => { const i = cell.querySelector('.jp-OutputArea-output img[data-update]');
+  return i && {update: Number(i.dataset.update), step: Number(i.dataset.step), src: i.getAttribute('src')}; }"""
+
+
+def follow_figure(nb: Notebook, index: int, deadline: Deadline, what: str, shot: str,
+                  last_step: int) -> tuple[dict[int, str], dict]:
+    """Read cell `index`'s live figure until the cell has finished and its figure shows step `last_step`: states the
+    kernel must reach. How often this looks decides only which redraws it also catches on the way, so each reading
+    is checked, not counted: the redraw number never goes back, one number is one image, a new number a new image.
+    The first figure caught after another is saved as runs/ui/<shot>_1.png, the final one as <shot>_2.png.
+    Returns the image of each redraw caught (redraw number -> src) and the final state (update, step, src)."""
+    cell, caught, state = nb.cell(index), {}, None
     while True:
-        busy = running(cell)
-        src = img.get_attribute("src") if cell.locator(".jp-OutputArea-output img").count() else None
-        if busy and src and (not seen or seen[-1] != src):
-            seen.append(src)
-            if len(seen) == 2:
-                outputs.screenshot(path=SHOTS / f"{shot}_1.png")
-        if not busy and seen:
-            outputs.screenshot(path=SHOTS / f"{shot}_2.png")
-            return seen, img.get_attribute("src")
+        busy = running(cell)  # read before the figure: once the cell has finished, its figure is the last one
+        state = cell.evaluate(FIGURE_STATE)
+        if state:
+            n, src = state["update"], state["src"]
+            assert not caught or n >= max(caught), f"{what}: the figure went back from update {max(caught)} to {n}"
+            assert caught.get(n, src) == src, f"{what}: update {n} showed two different images"
+            if n not in caught:
+                assert src not in caught.values(), f"{what}: update {n} shows the image of an earlier update"
+                caught[n] = src
+                if len(caught) == 2:
+                    cell.locator(".jp-Cell-outputArea").screenshot(path=SHOTS / f"{shot}_1.png")
+            if not busy and state["step"] == last_step:
+                cell.locator(".jp-Cell-outputArea").screenshot(path=SHOTS / f"{shot}_2.png")
+                return caught, state
         errors = nb.errors()
         assert not errors, f"{what}: the front end shows errors: {errors}"
-        deadline.left(f"{what} ({len(seen)} figure(s) seen so far)")
+        shown = state and f"update {state['update']}, step {state['step']}"
+        deadline.left(f"{what} (the cell {'runs' if busy else 'is not running'}; its figure: {shown})")
         nb.page.wait_for_timeout(200)
 
 
@@ -371,6 +388,7 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
     from playwright.sync_api import expect
 
     from labkit.course.pretrain import PARAMS
+    from labkit.course.pretrain.follow import figure_steps
     from labkit.course.widgets import FIELDS
 
     d = lab.deadline
@@ -385,7 +403,7 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
     nb.run_menu("Run All Above Selected Cell", select=i_form + 1)  # the markdown cell after the form
     nb.wait_executed(d, i_form, "cells up to the form")
     form = nb.cell(i_form).locator(".widget-vbox").first
-    form.wait_for(timeout=d.ms("the widget form to render", 30))
+    form.wait_for(timeout=d.ms("the widget form to render"))
     d.mark("07 form shown")
 
     def field(name):
@@ -396,11 +414,11 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
         assert field(name).locator("abbr").get_attribute("title") == PARAMS[name].help, name
     for name in ("device_target", "optimizer_shard", "amp_level"):
         assert field(name).locator("select").input_value() == "None", name
-    expect(field("steps").locator("input")).to_have_value("8")
+    expect(field("steps").locator("input")).to_have_value("8", timeout=d.ms("the steps field"))
     verdict, status = form.locator(":scope > .widget-html").nth(1), form.locator(".widget-hbox .widget-html")
     apply = form.get_by_role("button", name="Apply / 应用")
-    expect(verdict).to_contain_text("fits", timeout=d.ms("the verdict", 30))
-    expect(verdict).to_contain_text("trains here")
+    expect(verdict).to_contain_text("fits", timeout=d.ms("the verdict"))
+    expect(verdict).to_contain_text("trains here", timeout=d.ms("the verdict"))
     form.screenshot(path=SHOTS / "07_form.png")
 
     # an invalid layout: 1 device cannot hold dp 2; the verdict says so and Apply refuses it
@@ -408,9 +426,9 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
     dp.fill("2")
     dp.press("Enter")
     expect(verdict).to_contain_text("dp x mp x pp must equal devices (1): dp 2 does not divide 1",
-                                    timeout=d.ms("the validation message", 30))
+                                    timeout=d.ms("the validation message"))
     apply.click()
-    expect(status).to_contain_text("must equal devices", timeout=d.ms("Apply refusing", 30))
+    expect(status).to_contain_text("must equal devices", timeout=d.ms("Apply refusing"))
     form.screenshot(path=SHOTS / "07_form_invalid.png")
 
     # a valid change: the planner's layout back, 12 steps instead of 8, applied
@@ -419,20 +437,25 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
     steps = field("steps").locator("input")
     steps.fill("12")
     steps.press("Enter")
-    expect(verdict).to_contain_text("fits", timeout=d.ms("the verdict after the fix", 30))
+    expect(verdict).to_contain_text("fits", timeout=d.ms("the verdict after the fix"))
     apply.click()
-    expect(status).to_contain_text("applied", timeout=d.ms("Apply", 30))
+    expect(status).to_contain_text("applied", timeout=d.ms("Apply"))
     form.screenshot(path=SHOTS / "07_form_applied.png")
     d.mark("07 applied")
 
-    # the cells below, the smoke run among them, from the applied values; its figure refreshes while it trains
+    # the cells below, the smoke run among them, from the applied values; its figure is redrawn at given steps (in
+    # order, however many steps one read of metrics.jsonl brings), so the final figure's redraw number is known
+    redraws = figure_steps(12)
+    assert len(redraws) >= 2, f"a 12-step run would redraw its figure only at steps {redraws}"
     nb.run_menu("Run Selected Cell and All Below", select=i_form + 1)
-    seen, final = follow_images(nb, i_launch, d, "the smoke run", "07_live")
+    caught, final = follow_figure(nb, i_launch, d, "the smoke run", "07_live", last_step=12)
     d.mark("07 trained")
-    d.seen["07 distinct figures while the run trained"] = len(seen)
-    expect(nb.cell(i_launch).locator(".jp-OutputArea-output").first).to_contain_text("step 12/12")
-    assert len(seen) >= 2, "the live figure never changed while the run trained"
-    assert final not in seen[:2], "the final figure is the empty one or the first update: no update after it"
+    d.seen["07 figure redraws (the kernel's)"] = final["update"]
+    d.seen["07 figures the page caught on the way"] = len(caught)
+    expect(nb.cell(i_launch).locator(".jp-OutputArea-output").first).to_contain_text("step 12/12",
+                                                                                      timeout=d.ms("the status"))
+    assert final["update"] == len(redraws), \
+        f"the live figure was redrawn {final['update']} times, expected {len(redraws)} (at steps {redraws})"
     nb.wait_executed(d, len(src) - 1, "the cells that read the run's result")
     d.mark("07 done")
     assert not lab.problems, lab.problems
@@ -445,19 +468,22 @@ HAND_WRITTEN_04 = ("## 2. 亲手写一个训练步", "hand_cfg = cfg_for(", "模
 def test_04_live_plot_updates_while_the_kernel_trains(lab, last_view):
     d = lab.deadline
     # section 2's training step by hand (~30 s, not needed by the main run) stays out: this test is about the plot
-    _, src = copy_notebook("04_single_card.ipynb", lab.root, dict(steps=20, eval_every=0,  # no validation graph
+    steps = 20
+    _, src = copy_notebook("04_single_card.ipynb", lab.root, dict(steps=steps, eval_every=0,  # no validation graph
                                                                   output_dir=str(lab.tmp / "run04")),
                            last_cell='nb.check(main["final_loss"]', drop=HAND_WRITTEN_04)
     i_train = index_of(src, "LivePlot(every=10")
+    redraws = steps // 10  # LivePlot redraws at steps 10 and 20; close() adds none (no step after the last redraw)
     nb = lab.open("04_single_card.ipynb")
     last_view(nb.page, "04")
     d.mark("04 open")
     nb.run_menu("Run All Cells")
-    seen, final = follow_images(nb, i_train, d, "notebook 04's main run", "04_live")
+    caught, final = follow_figure(nb, i_train, d, "notebook 04's main run", "04_live", last_step=steps)
     d.mark("04 trained")
-    d.seen["04 distinct figures while the kernel trained"] = len(seen)
-    assert len(seen) >= 2, "the live plot never changed while the kernel trained (expected updates at steps 10, 20)"
-    assert final not in seen[:2], "the final plot is the empty one or the step-10 one: no update at step 20"
+    d.seen["04 figure redraws (the kernel's)"] = final["update"]
+    d.seen["04 figures the page caught on the way"] = len(caught)
+    assert final["update"] == redraws, f"the live plot was redrawn {final['update']} times, expected {redraws} " \
+                                       f"(every 10 of {steps} steps)"
     nb.wait_executed(d, len(src) - 1, "notebook 04")
     d.mark("04 done")
     assert not lab.problems, lab.problems
