@@ -15,7 +15,8 @@ Screenshots land in runs/ui/ (git-ignored) with report.json (phase times, what w
 
 Needs Debian's Chromium and a CJK font (`apt-get install -y chromium fonts-noto-cjk`) and the playwright package
 (the `test` extra); skipped without them. Playwright's own browser download is never used. The whole module keeps
-to LABKIT_UI_BUDGET_S seconds (default 300); the server and every process under it are ended afterwards.
+to LABKIT_UI_BUDGET_S seconds (default 1200, a guard against a hang); the server and every process under it are
+ended afterwards.
 """
 from __future__ import annotations
 
