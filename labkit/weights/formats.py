@@ -255,8 +255,10 @@ class CkptEntry:
     chunks: list  # (offset, length) of tensor_content pieces
 
 
-def ckpt_index(path: str | Path) -> dict[str, CkptEntry]:
-    """Names, dtypes, shapes and data offsets of a MindSpore checkpoint, in file order, without loading the data."""
+def ckpt_index(path: str | Path, any_dtype: bool = False) -> dict[str, CkptEntry]:
+    """Names, dtypes, shapes and data offsets of a MindSpore checkpoint, in file order, without loading the data.
+    With `any_dtype`, tensors of other dtypes (a training state's int32 `global_step`) are listed too, their dtype
+    lower-cased from MindSpore's tag ("int32"); without it they are refused (their data cannot be converted)."""
     import mmap
 
     path = Path(path)
@@ -301,9 +303,9 @@ def ckpt_index(path: str | Path) -> dict[str, CkptEntry]:
                 else:
                     raise LabkitError(f"{path}: record '{name}' is not a tensor (map tensors are not supported)")
                 p += n
-            if tag not in _MS:
+            if tag not in _MS and not any_dtype:
                 raise LabkitError(f"{path}: '{name}' has dtype {tag}", "only Float32, Float16 and BFloat16 are supported")
-            entry = out.setdefault(name, CkptEntry(name, _MS[tag], tuple(dims), []))
+            entry = out.setdefault(name, CkptEntry(name, _MS.get(tag, str(tag).lower()), tuple(dims), []))
             entry.chunks.append(content)
             pos = stop
     return out
@@ -383,3 +385,22 @@ def training_checkpoint(path: str | Path) -> Path | None:
     if (p / "state.json").is_file() and (p / "state.ckpt").is_file():
         return p
     return latest(p)
+
+
+# what a training checkpoint holds besides the model's weights (optimizer moments, its step, the loss scaler)
+TRAINING_STATE = ("adam_", "loss_scale.", "global_step", "learning_rate", "accu_grads.")
+
+
+def model_entries(index: dict) -> dict:
+    """The model weights of a checkpoint index (`ckpt_index`), training state left out."""
+    return {n: e for n, e in index.items() if not n.startswith(TRAINING_STATE)}
+
+
+def weights_file(path: str | Path) -> Path | None:
+    """The MindSpore weights file that `path` names: itself (a .ckpt file), a converted directory's model.ckpt or a
+    training checkpoint folder's state.ckpt; None when it holds none of them."""
+    path = Path(path)
+    for candidate in (path, path / "model.ckpt", path / "state.ckpt"):
+        if candidate.is_file():
+            return candidate
+    return None

@@ -4,6 +4,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from labkit.config import ModelConfig
+from labkit.model.shapes import expected_hf_shapes
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -62,6 +65,11 @@ def ms_to_hf(name: str) -> str | None:
         if m:
             return rule.hf.replace("{i}", m.group(1)) if m.groups() else rule.hf
     return None
+
+
+def ms_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every mindformers parameter the config implies, with its shape (the same shape as on the HF side)."""
+    return {hf_to_ms(k): v for k, v in expected_hf_shapes(cfg).items()}
 
 
 def mapping_table() -> str:

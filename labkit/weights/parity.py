@@ -27,6 +27,7 @@ import numpy as np
 
 from labkit.config import to_dict
 from labkit.weights.formats import as_float32, ckpt_index, nonfinite_counts, read_ckpt_tensor
+from labkit.weights.convert import check_converted
 from labkit.weights.hf_config import model_config_from_hf, read_model_config
 from labkit.logs import quiet_mindformers as quiet_mindformers
 from labkit.errors import LabkitError, LabkitFailure
@@ -190,7 +191,7 @@ def run_parity(hf_dir: str | Path, ms_dir: str | Path, seq_len: int = 32, gen_to
     """Compare logits and greedy generation; returns the report (`passed` says whether it holds)."""
     if seq_len < 1 or gen_tokens < 0:
         raise LabkitError(f"--seq-len {seq_len} / --gen-tokens {gen_tokens}", "use seq-len >= 1 and gen-tokens >= 0")
-    cfg = read_model_config(ms_dir)
+    cfg = check_converted(ms_dir)  # model.ckpt against model.yaml, its tokenizer against the vocabulary: nothing built
     if seq_len + gen_tokens > cfg.max_position_embeddings:
         raise LabkitError(f"seq-len + gen-tokens = {seq_len + gen_tokens} exceeds max_position_embeddings "
                           f"{cfg.max_position_embeddings}", "use a shorter window")
