@@ -117,7 +117,47 @@ def fx(tmp_path_factory):
     (good / "docs.jsonl").write_text(lines + "\n", encoding="utf-8")
     (r / "ro").mkdir()
     (r / "out").mkdir()
+    _pairs(r, hf)
     return r
+
+
+def _pairs(r: Path, hf: Path) -> None:
+    """What the pairing cases combine: a tiny trained run (one `labkit train`, ~10 s) and copies of it whose
+    state.json no longer describes their weights or names a tokenizer bigger than the model, converted weights in
+    bfloat16 or beside a tokenizer bigger than their vocabulary, and datasets tokenized otherwise (a stats.json
+    only: these are refused before a sample is read)."""
+    import yaml
+
+    from labkit.weights import convert
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOG_v": "3", "TQDM_DISABLE": "1"}
+    subprocess.run([sys.executable, "-m", "labkit", "train", "--steps", "2", "--set", "train.save_every=2", "--set",
+                    "train.eval_every=0", "--output", str(r / "run")], check=True, cwd=r, env=env,
+                   capture_output=True, timeout=600)
+    tj = json.loads((SHIPPED_TOK / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["added_tokens"].append(dict(tj["added_tokens"][-1], id=5000, content="<big>"))
+    _shipped_copy(r / "tok" / "big", files={"tokenizer.json": json.dumps(tj)})
+    for name, key, value in (("gen_wide", "model", {"hidden_size": 128}),
+                             ("gen_bigtok", "data", {"tokenizer": str(r / "tok" / "big")})):
+        shutil.copytree(r / "run", r / name)
+        state = r / name / "checkpoints" / "step_000002" / "state.json"
+        meta = json.loads(state.read_text(encoding="utf-8"))
+        meta["config"][key].update(value)
+        state.write_text(json.dumps(meta), encoding="utf-8")
+    convert.hf2ms(hf, r / "ms_bf16", dtype="bfloat16", check_target=False)
+    for name, src in (("hf_bigtok", hf), ("ms_bigtok", r / "ms")):
+        shutil.copytree(src, r / name)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(SHIPPED_TOK / f, r / name / f)
+    shutil.copytree(r / "ms", r / "ms_badyaml")
+    model = yaml.safe_load((r / "ms_badyaml" / "model.yaml").read_text(encoding="utf-8"))
+    (r / "ms_badyaml" / "model.yaml").write_text(yaml.safe_dump(dict(model, vocab_size=999)), encoding="utf-8")
+    for name, stats in (("ds_eos", {"eos_id": 0}), ("ds_400", {"vocab_size": 400, "tokenizer": str(r / "tok/gpt2")}),
+                        ("ds_specials", {"tokenizer": str(r / "tok" / "specials")})):
+        (r / name).mkdir()
+        (r / name / "stats.json").write_text(json.dumps({"format": "labkit-dataset/1", "seq_len": 128, "files": {},
+                                                         "n_samples": 1000, "vocab_size": 4096, "eos_id": 2,
+                                                         "tokenizer": str(SHIPPED_TOK), **stats}))
 
 
 @dataclass
@@ -132,6 +172,7 @@ class Case:
     says: tuple = ()  # substrings of stdout+stderr for working cases
     readonly: str | None = None  # a folder mounted read-only for this run
     holder: bool = False  # a live process holds the output folder's lock
+    unchanged: str | None = None  # a folder the refusal must leave exactly as it was (a run it would resume)
 
 
 def _tok_cases() -> list[Case]:
@@ -165,6 +206,10 @@ def _tok_cases() -> list[Case]:
                     out.append(Case(f"tok-{fam}-{impl}-{side}", argv, names=names, fix=fix))
     return out
 
+
+RESUME = ["train", "--resume", "--output", "{r}/run", "--steps", "4"]  # the tiny run of the fixture, to step 4
+HF_TINY = [x for kv in ("vocab_size=1000", "hidden_size=64", "intermediate_size=176", "num_heads=4", "num_kv_heads=2",
+                        "tie_word_embeddings=true") for x in ("--set", f"model.{kv}")]  # parity.TINY_HF's model
 
 CASES = _tok_cases() + [
     # tokenizer: other actions
@@ -251,6 +296,70 @@ CASES = _tok_cases() + [
          names=("gbk.yaml", "not UTF-8"), fix="UTF-8", out="{r}/out/r2"),
     Case("run-only-unknown", ["run", "--only", "99", "--output", "{r}/out/r3"], names=("--only 99",),
          out="{r}/out/r3"),
+] + [  # every pair of artefacts a command combines, checked before anything is built (labkit.training.run_dir)
+    # train --resume: the checkpoint against the config (the run folder must stay as it was)
+    Case("train-resume-model-shape", [*RESUME, "--set", "model.hidden_size=128", "--set", "model.num_heads=4"],
+         names=("run/checkpoints/step_000002", "model.hidden_size 256",
+                "(model.tok_embeddings.embedding_weight [4096, 256])", "the config asks for 128"),
+         fix="run/config.yaml", unchanged="{r}/run"),
+    Case("train-resume-num-heads", [*RESUME, "--set", "model.num_heads=4", "--set", "model.num_kv_heads=2"],
+         names=("step_000002", "model.num_heads 8", "asks for 4"), fix="run/config.yaml", unchanged="{r}/run"),
+    Case("train-resume-amp-no-loss-scale", [*RESUME, "--set", "train.amp_level=O2"],
+         names=("step_000002", "no loss-scale state", "amp_level O0", "amp_level O2"), fix="amp_level O0",
+         unchanged="{r}/run"),
+    Case("train-resume-amp-dtype", [*RESUME, "--set", "train.amp_level=O3"],
+         names=("step_000002", "as float32", "parameters are float16", "amp_level O3"), fix="amp_level O0",
+         unchanged="{r}/run"),
+    Case("train-resume-seed", [*RESUME, "--seed", "7"], names=("step_000002", "train.seed 1234", "asks for 7"),
+         fix="train.seed 1234", unchanged="{r}/run"),
+    Case("train-resume-global-batch", [*RESUME, "--micro-batch", "4"],
+         names=("step_000002", "global batch 8", "gives 4"), fix="micro_batch x dp x accum = 8", unchanged="{r}/run"),
+    Case("train-resume-other-tokenizer", [*RESUME, "--set", "data.dataset={r}/ds_specials", "--set",
+                                          "data.tokenizer={r}/tok/specials"],
+         names=("ds_specials", "tokenized with", "tok/specials", "step_000002", "data/tokenizer"),
+         fix="labkit data build --tokenizer", unchanged="{r}/run"),
+    # train: the dataset against the config and its tokenizer, init_checkpoint against the model
+    Case("train-dataset-other-tokenizer", ["train", "--set", "data.dataset={r}/ds_400", "--output", "{r}/out/t5"],
+         names=("ds_400", "400 token ids", "data.tokenizer data/tokenizer has 4096"),
+         fix="labkit data build --tokenizer data/tokenizer", out="{r}/out/t5"),
+    Case("train-dataset-eos", ["train", "--set", "data.dataset={r}/ds_eos", "--output", "{r}/out/t6"],
+         names=("ds_eos", "token id 0", "eos_token_id is 2"), fix="model.eos_token_id=0", out="{r}/out/t6"),
+    Case("train-init-shape", ["train", "--set", "train.init_checkpoint={r}/ms", "--output", "{r}/out/t7"],
+         names=("train.init_checkpoint", "ms/model.ckpt", "model.vocab_size 1000", "asks for 4096"),
+         fix="ms/model.yaml", out="{r}/out/t7"),
+    Case("train-init-dtype", ["train", *HF_TINY, "--set", "train.init_checkpoint={r}/ms_bf16", "--output",
+                              "{r}/out/t8"],
+         names=("ms_bf16/model.ckpt", "as bfloat16", "parameters are float32", "amp_level O0"),
+         fix="--dtype float32", out="{r}/out/t8"),
+    # launch: the same checks, before any process starts
+    Case("launch-resume-model-shape", ["launch", "--workers", "1", "--dry-run", *RESUME[1:], "--set",
+                                       "model.hidden_size=128", "--set", "model.num_heads=4"],
+         names=("step_000002", "model.hidden_size 256", "asks for 128"), fix="run/config.yaml", unchanged="{r}/run"),
+    Case("launch-init-shape", ["launch", "--workers", "1", "--dry-run", "--set", "train.init_checkpoint={r}/ms",
+                               "--output", "{r}/out/l4"],
+         names=("train.init_checkpoint", "model.vocab_size 1000", "asks for 4096"), fix="model.yaml",
+         out="{r}/out/l4"),
+    # generate: a checkpoint's weights against its own state.json, the tokenizer against the vocabulary
+    Case("generate-weights-vs-state-json", ["generate", "--checkpoint", "{r}/gen_wide", "--prompt", "hi"],
+         names=("gen_wide/checkpoints/step_000002", "model.hidden_size 256", "its state.json asks for 128"),
+         fix="belong together"),
+    Case("generate-tokenizer-too-big", ["generate", "--checkpoint", "{r}/gen_bigtok", "--prompt", "hi"],
+         names=("tok/big", "up to 5000", "gen_bigtok/checkpoints/step_000002", "vocab_size 4096"),
+         fix="tokenizer the model was trained with"),
+    # convert and parity: converted weights against their model.yaml and the tokenizer beside them
+    Case("convert-tokenizer-too-big", ["convert", "hf2ms", "--src", "{r}/hf_bigtok", "--dst", "{r}/out/c4"],
+         names=("hf_bigtok", "tokenizer.json", "up to 4095", "config.json has vocab_size 1000"),
+         fix="resize-embeddings", out="{r}/out/c4"),
+    Case("convert-ms2hf-tokenizer-too-big", ["convert", "ms2hf", "--src", "{r}/ms_bigtok", "--dst", "{r}/out/c5"],
+         names=("ms_bigtok", "up to 4095", "model.yaml has vocab_size 1000"), fix="resize-embeddings",
+         out="{r}/out/c5"),
+    Case("convert-ms2hf-weights-vs-state-json", ["convert", "ms2hf", "--src", "{r}/gen_wide", "--dst", "{r}/out/c6"],
+         names=("gen_wide/checkpoints/step_000002", "model.hidden_size 256", "state.json asks for 128"),
+         fix="belong together", out="{r}/out/c6"),
+    Case("parity-ms-tokenizer-too-big", ["parity", "--hf", "{r}/hf", "--ms", "{r}/ms_bigtok"],
+         names=("ms_bigtok", "up to 4095", "vocab_size 1000"), fix="resize-embeddings"),
+    Case("parity-weights-vs-model-yaml", ["parity", "--hf", "{r}/hf", "--ms", "{r}/ms_badyaml"],
+         names=("ms_badyaml/model.ckpt", "model.vocab_size 1000", "model.yaml asks for 999"), fix="convert again"),
 ]
 
 
@@ -263,6 +372,11 @@ def _readonly_wrap(argv: list, folder: str) -> list | None:
         return None
     script = ('mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"')
     return ["unshare", "-m", "sh", "-c", script, "sh", folder, *argv]
+
+
+def _listing(folder: str) -> dict:
+    """Every file under `folder` with its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).rglob("*")}
 
 
 def run_case(case: Case, r: Path) -> tuple[int, str, str]:
@@ -283,8 +397,11 @@ def run_case(case: Case, r: Path) -> tuple[int, str, str]:
         argv = _readonly_wrap(argv, sub(case.readonly))
         if argv is None:
             pytest.skip("no way to make a read-only folder here (not root: chmod; root: unshare -m)")
+    before = _listing(sub(case.unchanged)) if case.unchanged else None
     try:
         p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=r, timeout=600)
+        if before is not None:
+            assert _listing(sub(case.unchanged)) == before, f"{case.unchanged} changed"
     finally:
         if holder is not None:
             holder.kill()
@@ -326,5 +443,5 @@ def test_hostile_input(case: Case, fx):
 def test_table_is_big_enough():
     commands = {c.argv[0] for c in CASES}
     assert len(CASES) >= 40 and commands >= {"run", "convert", "parity", "tokenizer", "data", "train", "launch",
-                                             "plan"}
+                                             "plan", "generate"}
 

@@ -194,13 +194,15 @@ def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, o
     ds = run_dir.check_dataset(cfg)
     loader.check_layout(ds.n_samples, cfg.train.micro_batch, par.dp, 0, cfg.train.accum)
     cfg.data.dataset = str(ds.path)
-    init = run_dir.check_init_checkpoint(cfg.train.init_checkpoint)
+    init = run_dir.check_init_checkpoint(cfg.train.init_checkpoint, cfg)  # its weights against the model config
     if init is not None:
         cfg.train.init_checkpoint = str(init)
     # the run folder is shared by the nodes and only node 0 writes run-level files: another node that starts
-    # after node 0 has begun must not see node 0's fresh run as an old one (a resume still needs the checkpoint)
+    # after node 0 has begun must not see node 0's fresh run as an old one (a resume still needs the checkpoint).
+    # A resumed checkpoint must fit the config, the dataset and the global batch (run_dir.check_resume*)
     folder = run_dir.check_run_folder(cfg.output_dir, resume=resume, overwrite=overwrite or node_rank > 0,
-                                      steps=cfg.train.steps, shared=nodes > 1)
+                                      steps=cfg.train.steps, shared=nodes > 1, cfg=cfg, dataset=ds,
+                                      global_batch=par.global_batch)
     cfg.output_dir = str(folder.output)
     return PreparedLaunch(cfg=cfg, workers=workers, nodes=nodes, node_rank=node_rank, total=layout.total,
                           mode=par.mode, dp=par.dp, global_batch=par.global_batch, dataset=cfg.data.dataset,

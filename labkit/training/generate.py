@@ -132,30 +132,34 @@ def resolve_checkpoint(path) -> Path:
     return found
 
 
-def load_checkpoint(path) -> dict:
-    """Model config, weights, run config, training length and tokenizer of a training checkpoint."""
-    from labkit.training import checkpoint
+def load_checkpoint(path, tokenizer=None) -> dict:
+    """Model config, weights, run config, training length and tokenizer (the run's own, or `tokenizer`) of a
+    training checkpoint. The weights are checked against the recorded config and the tokenizer against its
+    vocabulary before they are loaded (labkit.training.run_dir.check_trained)."""
+    from labkit.training import checkpoint, run_dir
 
     ck = resolve_checkpoint(path)
     meta = json.loads((ck / "state.json").read_text(encoding="utf-8"))
     if "config" not in meta:
         raise LabkitError(f"{ck / 'state.json'} has no run config", "use a checkpoint written by labkit train")
     run = load(RunConfig, meta["config"], f"{ck / 'state.json'}: config")
+    tok = lab_path(tokenizer) if tokenizer else run_tokenizer(run)
+    run_dir.check_trained(ck, run, tok)
     return dict(checkpoint=ck, step=meta.get("step"), run=run, model_cfg=run.model_config(),
-                weights=checkpoint.load_weights(ck), tokenizer=run_tokenizer(run))
+                weights=checkpoint.load_weights(ck), tokenizer=tok)
 
 
 def generate(checkpoint, prompt: str, max_new_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, window: int | None = None, tokenizer=None) -> dict:
     """Continue `prompt` with the model of a training checkpoint (CPU). `tokenizer` overrides the run's own
     (notebook 02 decodes with the wrong one on purpose)."""
-    import mindspore as ms
-
     from labkit.data.dataset import load_fast_tokenizer
 
-    ck = load_checkpoint(checkpoint)
+    ck = load_checkpoint(checkpoint, tokenizer)  # the pairs are checked before MindSpore is imported
+    import mindspore as ms
+
     ms.set_context(mode=ms.GRAPH_MODE)
-    tok_dir = lab_path(tokenizer) if tokenizer else ck["tokenizer"]
+    tok_dir = ck["tokenizer"]
     tok = load_fast_tokenizer(tok_dir)
     sampler = Sampler(ck["model_cfg"], window or ck["run"].data.seq_len)
     sampler.load(ck["weights"])

@@ -48,8 +48,10 @@ class Trainer:
         if cfg.data.seq_len > mcfg.max_position_embeddings:
             raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
                               f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
-        if resume:
-            run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps)
+        run_dir.check_init_checkpoint(t.init_checkpoint, cfg)  # names, shapes, dtypes against the model config
+        # resume: the checkpoint against the config (model, dtype, loss-scale state, data order); see run_dir
+        folder = run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps,
+                                          cfg=cfg) if resume else None
         quiet_mindformers()
         import mindspore as ms
         from mindspore import nn
@@ -60,6 +62,8 @@ class Trainer:
         self.dp = dp_size(cfg, self.world)
         self.global_batch = check_batch(cfg, self.dp)
         checked = run_dir.check_dataset(cfg)
+        if folder is not None:  # the dataset's tokenizer and the global batch against the checkpoint's
+            run_dir.check_resume_data(folder, cfg, dataset=checked, global_batch=self.global_batch)
         self.dataset = checked.path
         self.amp = AMP_LEVELS[t.amp_level]
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
@@ -129,18 +133,12 @@ class Trainer:
     def _load_init(self, path):
         import mindspore as ms
 
-        weights = checkpoint.load_weights(path)
-        own = {n: p for n, p in self.model.parameters_and_names()}
-        bad = [f"{n}: checkpoint {tuple(w.shape)} vs model {tuple(own[n].shape)}"
-               for n, w in weights.items() if n in own and tuple(w.shape) != tuple(own[n].shape)]
-        missing = sorted(set(own) - set(weights))
-        extra = sorted(set(weights) - set(own))
-        if bad or missing or extra:
-            raise LabkitError(f"init_checkpoint {path} does not match the model: " + "; ".join(
-                bad[:3] + [f"missing {missing[:3]}"] * bool(missing) + [f"unexpected {extra[:3]}"] * bool(extra)),
-                "check model preset/overrides against the checkpoint's model.yaml (vocab size: "
-                "`labkit tokenizer resize-embeddings`)")
-        ms.load_param_into_net(self.model, weights, strict_load=True)
+        # names, shapes and dtypes were checked against the model config before it was built (check_init_checkpoint)
+        not_loaded, _ = ms.load_param_into_net(self.model, checkpoint.load_weights(path), strict_load=True)
+        if not_loaded:
+            raise LabkitFailure(f"init_checkpoint {path} passed the shape check but left {not_loaded[:3]} of the "
+                                "built model unloaded: labkit.weights.mapping and mindformers' model disagree",
+                                "report this with the model config")
 
     def _compile(self, net):
         """One graph per micro-step. Gradients never leave the graph: passing a fresh gradient tuple from one

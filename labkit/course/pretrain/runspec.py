@@ -405,8 +405,13 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
         if value and not Path(value).exists():
             raise LabkitError(f"parameter {what} = {run.params.get(what) or value} not found (looked at {value})",
                               f"give {need}; relative paths start where you run, configs/ and data/ at the lab root")
+    # the pairs: a given dataset against seq_len and the vocabulary (a first-use build is checked when it is made),
+    # init_checkpoint's weights against the model, a resumed checkpoint against the config, dataset and batch
+    ds = run_dir.check_dataset(c) if c.data.dataset else None
+    run_dir.check_init_checkpoint(c.train.init_checkpoint, c)
     run_dir.check_run_folder(run.output_dir, resume=run.resume, overwrite=run.overwrite, steps=c.train.steps,
-                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1)
+                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1, cfg=c, dataset=ds,
+                             global_batch=c.train.global_batch)
 
 
 def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, flash) -> str:
