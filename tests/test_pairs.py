@@ -1,4 +1,4 @@
-"""Every pair of artefacts checked before use (labkit.training.run_dir, labkit.weights.convert): weights against a
+"""Every pair of artefacts checked before use (labkit.training.run_dir, labkit.weights.pairs): weights against a
 model config, a tokenizer against a vocabulary, a dataset against seq_len and its tokenizer, a resumed checkpoint
 against the config. No framework and no real training: checkpoints are written with labkit's own streaming
 writer (the same bytes MindSpore writes), datasets are a stats.json. The same refusals through the command line
@@ -15,7 +15,7 @@ import yaml
 
 from labkit.config import load_run_config, to_dict
 from labkit.errors import LabkitError
-from labkit.weights import convert, formats
+from labkit.weights import formats, pairs
 from labkit.weights.mapping import ms_shapes
 from labkit.training import run_dir
 
@@ -85,18 +85,18 @@ def test_the_index_lists_a_training_state_with_its_integer_counter(tmp_path, mon
 
 def test_mismatch_names_the_key_both_values_and_a_tensor(tmp_path, monkeypatch):
     index = formats.ckpt_index(write_ckpt(tmp_path / "a.ckpt", cfg_of().model_config(), state=False))
-    assert convert.model_mismatch(index, cfg_of().model_config()) is None
+    assert pairs.model_mismatch(index, cfg_of().model_config()) is None
     wider = cfg_of("model.hidden_size=32").model_config()
-    assert convert.model_mismatch(index, wider) == ("has model.hidden_size 16 (model.tok_embeddings.embedding_weight "
+    assert pairs.model_mismatch(index, wider) == ("has model.hidden_size 16 (model.tok_embeddings.embedding_weight "
                                                     "[64, 16]), the config asks for 32")
-    said = convert.model_mismatch(index, cfg_of("model.num_layers=3").model_config())
+    said = pairs.model_mismatch(index, cfg_of("model.num_layers=3").model_config())
     assert said.startswith("has model.num_layers 2 (model.layers.1.*), the config asks for 3")
-    said = convert.model_mismatch(index, cfg_of("model.tie_word_embeddings=true").model_config())
+    said = pairs.model_mismatch(index, cfg_of("model.tie_word_embeddings=true").model_config())
     assert said.startswith("has model.tie_word_embeddings False (lm_head.weight [64, 16])")
     # num_heads does not show in the shapes (head_dim 8 either way): the recorded config says it
     heads = cfg_of("model.num_heads=4", "model.num_kv_heads=2").model_config()
-    assert convert.model_mismatch(index, heads) is None
-    assert convert.model_mismatch(index, heads, source=cfg_of().model_config()) == (
+    assert pairs.model_mismatch(index, heads) is None
+    assert pairs.model_mismatch(index, heads, source=cfg_of().model_config()) == (
         "has model.num_heads 2, the config asks for 4; also model.num_kv_heads 1 vs 2")
 
 
@@ -104,12 +104,12 @@ def test_check_weights_refuses_missing_tensors_and_other_dtypes(tmp_path):
     m = cfg_of().model_config()
     gap = formats.ckpt_index(write_ckpt(tmp_path / "gap.ckpt", m, state=False, drop=("model.norm_out.weight",)))
     with pytest.raises(LabkitError) as e:
-        convert.check_weights("w", gap, m, "the fix")
+        pairs.check_weights("w", gap, m, "the fix")
     assert (e.value.what, e.value.fix) == ("w holds no model.norm_out.weight", "the fix")
     half = formats.ckpt_index(write_ckpt(tmp_path / "half.ckpt", m, dtype="bfloat16", state=False))
     with pytest.raises(LabkitError, match=r"stores model.tok_embeddings.embedding_weight as bfloat16 \(21 tensors\), "
                                           r"the model's parameters are float32 \(O0\)") as e:
-        convert.check_weights("w", half, m, "shape fix", dtype="float32", dtype_note=" (O0)", dtype_fix="dtype fix")
+        pairs.check_weights("w", half, m, "shape fix", dtype="float32", dtype_note=" (O0)", dtype_fix="dtype fix")
     assert e.value.fix == "dtype fix"
 
 
@@ -117,22 +117,22 @@ def test_check_weights_refuses_missing_tensors_and_other_dtypes(tmp_path):
 
 
 def test_tokenizer_span_from_each_kind_of_vocabulary_file(tmp_path):
-    assert convert.tokenizer_span(SHIPPED_TOK) == (4096, "tokenizer.json")
+    assert pairs.tokenizer_span(SHIPPED_TOK) == (4096, "tokenizer.json")
     sp = tmp_path / "sp"
     sp.mkdir()
     shutil.copy(SHIPPED_TOK / "tokenizer.model", sp)
-    assert convert.tokenizer_span(sp) == (4096, "tokenizer.model")
+    assert pairs.tokenizer_span(sp) == (4096, "tokenizer.model")
     (sp / "added_tokens.json").write_text(json.dumps({"<extra>": 4100}))
-    assert convert.tokenizer_span(sp) == (4101, "tokenizer.model")
+    assert pairs.tokenizer_span(sp) == (4101, "tokenizer.model")
     bpe = tmp_path / "bpe"
     bpe.mkdir()
     (bpe / "vocab.json").write_text(json.dumps({"a": 0, "b": 7}))
-    assert convert.tokenizer_span(bpe) == (8, "vocab.json")
-    assert convert.tokenizer_span(tmp_path) is None
+    assert pairs.tokenizer_span(bpe) == (8, "vocab.json")
+    assert pairs.tokenizer_span(tmp_path) is None
     with pytest.raises(LabkitError, match=r"tokenizer .*bpe \(vocab.json\) has token ids up to 7, the model has "
                                           r"vocab_size 4 \(embedding rows 0..3\)"):
-        convert.check_tokenizer_fits(bpe, 4, "the model", "fix")
-    assert convert.check_tokenizer_fits(bpe, 8, "the model", "fix") == 8
+        pairs.check_tokenizer_fits(bpe, 4, "the model", "fix")
+    assert pairs.check_tokenizer_fits(bpe, 8, "the model", "fix") == 8
 
 
 def test_a_converted_directory_is_checked_against_its_model_yaml(tmp_path):
@@ -140,16 +140,16 @@ def test_a_converted_directory_is_checked_against_its_model_yaml(tmp_path):
     d = tmp_path / "conv"
     write_ckpt(d / "model.ckpt", m, state=False)
     (d / "model.yaml").write_text(yaml.safe_dump(to_dict(m)))
-    assert convert.check_converted(d) == m
+    assert pairs.check_converted(d) == m
     shutil.copy(SHIPPED_TOK / "tokenizer.json", d)  # 4096 ids for 64 embedding rows
     with pytest.raises(LabkitError, match=r"tokenizer .*conv \(tokenizer.json\) has token ids up to 4095, .*model.yaml "
                                           r"has vocab_size 64") as e:
-        convert.check_converted(d)
+        pairs.check_converted(d)
     assert "resize-embeddings" in e.value.fix
     (d / "tokenizer.json").unlink()
     (d / "model.yaml").write_text(yaml.safe_dump(dict(to_dict(m), vocab_size=65)))
     with pytest.raises(LabkitError, match=r"model.ckpt has model.vocab_size 64 \(.*\), .*model.yaml asks for 65"):
-        convert.check_converted(d)
+        pairs.check_converted(d)
 
 
 def test_init_checkpoint_weights_must_be_the_configs_model(tmp_path, monkeypatch):

@@ -33,8 +33,8 @@ from labkit.config import AMP_LEVELS, RunConfig, load
 from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.training import checkpoint
-from labkit.weights.convert import (STRUCTURE, TOKENIZER_FILES, check_converted, check_tokenizer_fits, check_weights,
-                                    run_tokenizer, tokenizer_span)
+from labkit.weights.convert import TOKENIZER_FILES, run_tokenizer
+from labkit.weights.pairs import STRUCTURE, check_converted, check_tokenizer_fits, check_weights, tokenizer_span
 from labkit.weights.formats import ckpt_index, weights_file
 
 

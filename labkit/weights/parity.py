@@ -27,7 +27,7 @@ import numpy as np
 
 from labkit.config import to_dict
 from labkit.weights.formats import as_float32, ckpt_index, nonfinite_counts, read_ckpt_tensor
-from labkit.weights.convert import check_converted
+from labkit.weights.pairs import check_converted
 from labkit.weights.hf_config import model_config_from_hf, read_model_config
 from labkit.logs import quiet_mindformers as quiet_mindformers
 from labkit.errors import LabkitError, LabkitFailure
