@@ -263,15 +263,26 @@ def report(pl: PreparedLaunch, files: LaunchFiles, sup: Supervisor, outcome: Out
 
 
 def failure_reason(pl: PreparedLaunch, sup: Supervisor, outcome: Outcome, steps_done: int) -> str:
-    """One sentence: which rank (or msrun, or a node that never joined) ended how, after how many steps."""
+    """One sentence: which rank (or msrun, or a node that never joined) ended how, after how many steps. A rank that
+    ran out of memory (its memory cgroup counted an OOM kill since the rank started, the kernel log names its pid,
+    or its log ends in an allocator's failure) is named so, with its limit, and a second line gives the knobs to
+    turn with the planner's figures; any other SIGKILL the launcher did not send says what was checked."""
+    from labkit.training.monitor import memory_knobs
+
     code, rank = outcome.code or 1, outcome.rank
     how = f"exited with code {code}"
     if code < 0:
         with contextlib.suppress(ValueError):
             how = f"was killed by signal {signal.Signals(-code).name} (exit {code})"
-    if rank is not None:
-        return f"rank {rank} (pid {sup.ranks[rank].pid}) {how} after {steps_done} of {pl.cfg.train.steps} steps"
-    return f"msrun {how} after {steps_done} of {pl.cfg.train.steps} steps"
+    if rank is None:
+        return f"msrun {how} after {steps_done} of {pl.cfg.train.steps} steps"
+    text = f"rank {rank} (pid {sup.ranks[rank].pid}) {how} after {steps_done} of {pl.cfg.train.steps} steps"
+    death = sup.memory_death(rank, code)
+    if death and death["out_of_memory"]:
+        return f"{text}: out of memory, {death['how']}: {death['evidence']}\n{memory_knobs(pl.cfg, death['limit_mb'])}"
+    if death and death["out_of_memory"] is None:  # a SIGKILL from outside that no memory record explains
+        return f"{text}, not sent by the launcher: {death['how']} ({death['evidence']})"
+    return text
 
 
 def missing_nodes(pl: PreparedLaunch, outcome: Outcome) -> str | None:

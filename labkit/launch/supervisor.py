@@ -1,5 +1,7 @@
 """Watching a job's processes: msrun puts each worker in its own session, so the supervisor records every process
-(pid and start time), notices a worker that died, ends all of them, and reads what the logs say about it."""
+(pid and start time), notices a worker that died, ends all of them, and reads what the logs say about it. It also
+records each rank's memory cgroup and its counters when it first sees the rank, so a rank's death can be checked
+against its memory controller afterwards (`memory_death`: an OOM kill since then, never a kill of its own)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.training.monitor import memory_watch, oom_evidence
 
 # msrun's own report of a failed worker (mindspore/parallel/cluster/process_entity/_api.py, MindSpore 2.9)
 MSRUN_WORKER_ERROR = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
@@ -149,6 +152,10 @@ class Supervisor:
         self.started = time.perf_counter() if started is None else started
         self.ended_at: dict[int, float] = {}  # rank -> when this supervisor first saw it gone
         self.killed_at: float | None = None  # when the launcher killed a rank on purpose (fault drill)
+        self.killed: set[int] = set()  # the ranks it killed (kill_rank)
+        self.drill_rank = _drill_rank(root.args)  # the rank that ends itself with SIGKILL (--kill-rank), or None
+        self.memory: dict[int, dict] = {}  # rank -> its memory cgroup and counters when first seen (memory_watch)
+        self._watch_memory()
 
     @property
     def ranks(self) -> dict:
@@ -157,6 +164,7 @@ class Supervisor:
     def poll(self) -> Outcome:
         now = time.perf_counter()
         self.job.refresh()
+        self._watch_memory()
         out = self._poll_single(now) if self.single else self._poll_msrun(now)
         if out.state == RUNNING and self.timeout is not None and now - self.started > self.timeout:
             return Outcome(TIMEOUT, reason=f"timed out after {self.timeout:g} s", first_death=now)
@@ -214,9 +222,26 @@ class Supervisor:
             return Outcome(FAILED, code=1, reason=CLUSTER_NOT_GATHERED, first_death=now)
         return None
 
+    def _watch_memory(self) -> None:
+        """Record the memory cgroup and counters of each rank seen for the first time (while its /proc entry lives)."""
+        for r, p in self.job.ranks.items():
+            if r not in self.memory and p is not None and not self.job.ended(p):
+                self.memory[r] = memory_watch(p.pid)
+
+    def memory_death(self, rank: int | None, code: int) -> dict | None:
+        """Did `rank` die for lack of memory? `monitor.oom_evidence` on its exit code, the end of its log and its memory
+        cgroup's counters since this supervisor first saw it. None for no rank, and for a SIGKILL the launcher sent or
+        asked for (kill_rank, the fault drill; stop() comes after the outcome it reports)."""
+        log = self.msrun_log.parent / f"worker_{rank}.log" if self.msrun_log else Path("-")
+        drill = rank == self.drill_rank and "fault drill: rank" in log_end(log)  # it reached its drill and said so
+        if rank is None or (code == -signal.SIGKILL and (rank in self.killed or drill)):
+            return None
+        return oom_evidence(self.memory.get(rank), code, log_tail(log, 40))
+
     def kill_rank(self, rank: int) -> int:
         """SIGKILL one rank (a fault drill); returns its pid."""
         pid = self.job.ranks[rank].pid
+        self.killed.add(rank)
         os.kill(pid, signal.SIGKILL)
         self.killed_at = time.perf_counter()
         return pid
@@ -294,6 +319,15 @@ def start_guard(job_root: int) -> subprocess.Popen | None:
                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError:
+        return None
+
+
+def _drill_rank(args) -> int | None:
+    """The rank of a fault drill in the job's command (`--kill-rank R`), or None."""
+    args = [str(a) for a in args] if isinstance(args, (list, tuple)) else []
+    try:
+        return int(args[args.index("--kill-rank") + 1])
+    except (ValueError, IndexError):
         return None
 
 

@@ -437,8 +437,12 @@ def add_cli(parser) -> None:
 
 def _cli(args) -> int:
     from labkit.output import emit
+    from labkit.training.monitor import train_watched
 
     cfg = config_from_args(args)
+    watcher_code = train_watched(cfg, args)  # typed on a command line: a parent process names an OOM kill
+    if watcher_code is not None:
+        return watcher_code
     fault = Fault(args.kill_rank, args.kill_after_step) if args.kill_rank is not None else None
     summary = train(cfg, resume=args.resume, fault=fault)
     if int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0) == 0:
