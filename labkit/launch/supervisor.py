@@ -278,7 +278,8 @@ def supervise(sup: Supervisor, on_tick=None) -> Outcome:
         raise
 
 
-_NOISE = re.compile(r" - (INFO|DEBUG|WARNING) - |^\[(INFO|DEBUG|WARNING)\]|^\s*$")
+# framework chatter, blank lines, and a --json worker's error object (it repeats the `labkit train: error:` lines)
+_NOISE = re.compile(r" - (INFO|DEBUG|WARNING) - |^\[(INFO|DEBUG|WARNING)\]|^\s*$|^\{\"ok\": false, \"error\": ")
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
