@@ -122,7 +122,7 @@ def test_command_single_node_and_multi_node(tmp_path):
     assert (multi.dp, multi.global_batch) == (8, 32)
 
     single = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False)
-    assert validate.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit", "train"]
+    assert validate.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit.launch", "train"]
 
 
 def test_loopback_master_with_several_nodes_is_refused_with_the_reason(tmp_path, no_start):

@@ -267,7 +267,7 @@ def failure_reason(pl: PreparedLaunch, sup: Supervisor, outcome: Outcome, steps_
     ran out of memory (its memory cgroup counted an OOM kill since the rank started, the kernel log names its pid,
     or its log ends in an allocator's failure) is named so, with its limit, and a second line gives the knobs to
     turn with the planner's figures; any other SIGKILL the launcher did not send says what was checked."""
-    from labkit.training.monitor import memory_knobs
+    from labkit.training.oom import memory_knobs
 
     code, rank = outcome.code or 1, outcome.rank
     how = f"exited with code {code}"

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.training.monitor import memory_watch, oom_evidence
+from labkit.training.oom import memory_watch, oom_evidence
 
 # msrun's own report of a failed worker (mindspore/parallel/cluster/process_entity/_api.py, MindSpore 2.9)
 MSRUN_WORKER_ERROR = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
@@ -151,8 +151,6 @@ class Supervisor:
         self.timeout = timeout
         self.started = time.perf_counter() if started is None else started
         self.ended_at: dict[int, float] = {}  # rank -> when this supervisor first saw it gone
-        self.killed_at: float | None = None  # when the launcher killed a rank on purpose (fault drill)
-        self.killed: set[int] = set()  # the ranks it killed (kill_rank)
         self.drill_rank = _drill_rank(root.args)  # the rank that ends itself with SIGKILL (--kill-rank), or None
         self.memory: dict[int, dict] = {}  # rank -> its memory cgroup and counters when first seen (memory_watch)
         self._watch_memory()
@@ -174,7 +172,7 @@ class Supervisor:
         code = self.root.poll()
         if code is None:
             return Outcome(RUNNING)
-        death = self.killed_at or now
+        death = now
         if code != 0:
             return Outcome(FAILED, rank=self.job.first_rank, code=code, first_death=death)
         return Outcome(FINISHED, first_death=death)
@@ -188,7 +186,7 @@ class Supervisor:
         for r, p in self.job.ranks.items():
             if self.job.ended(p):
                 self.ended_at.setdefault(r, now)
-        death = self.killed_at or (min(self.ended_at.values()) if self.ended_at else None)
+        death = min(self.ended_at.values()) if self.ended_at else None
         if codes:
             pid, code = next(iter(codes.items()))
             return Outcome(FAILED, rank=by_pid.get(pid), code=code, first_death=death)
@@ -230,21 +228,13 @@ class Supervisor:
 
     def memory_death(self, rank: int | None, code: int) -> dict | None:
         """Did `rank` die for lack of memory? `monitor.oom_evidence` on its exit code, the end of its log and its memory
-        cgroup's counters since this supervisor first saw it. None for no rank, and for a SIGKILL the launcher sent or
-        asked for (kill_rank, the fault drill; stop() comes after the outcome it reports)."""
+        cgroup's counters since this supervisor first saw it. None for no rank, and for the SIGKILL of a fault drill
+        (the rank ends itself and says so in its log; stop() comes after the outcome it reports)."""
         log = self.msrun_log.parent / f"worker_{rank}.log" if self.msrun_log else Path("-")
         drill = rank == self.drill_rank and "fault drill: rank" in log_end(log)  # it reached its drill and said so
-        if rank is None or (code == -signal.SIGKILL and (rank in self.killed or drill)):
+        if rank is None or (code == -signal.SIGKILL and drill):
             return None
         return oom_evidence(self.memory.get(rank), code, log_tail(log, 40))
-
-    def kill_rank(self, rank: int) -> int:
-        """SIGKILL one rank (a fault drill); returns its pid."""
-        pid = self.job.ranks[rank].pid
-        self.killed.add(rank)
-        os.kill(pid, signal.SIGKILL)
-        self.killed_at = time.perf_counter()
-        return pid
 
     def wait_root(self, seconds: float) -> None:
         """Give msrun up to `seconds` to end by itself (after its workers finished)."""

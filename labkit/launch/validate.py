@@ -247,8 +247,8 @@ def cluster_timeout(cfg) -> int:
 def command(pl: PreparedLaunch, config_file: Path, logs: Path) -> list[str]:
     """The command line the launcher runs (msrun for more than one worker in all)."""
     args = ["train", "--config", str(config_file), "--json"] + (["--resume"] if pl.resume else [])
-    if pl.total == 1:
-        return ["python", "-m", "labkit"] + args
+    if pl.total == 1:  # the entry msrun runs too: a worker the launcher watches, not `labkit train`'s own watcher
+        return ["python", "-m", "labkit.launch"] + args
     head = msrun_args(pl.total, pl.workers, master_addr=pl.master_addr, master_port=pl.master_port,
                       node_rank=pl.node_rank if pl.nodes > 1 else None, log_dir=logs,
                       cluster_time_out=cluster_timeout(pl.cfg), tail_worker_log=NO_TAIL, head=msrun_head())

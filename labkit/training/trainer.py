@@ -437,7 +437,7 @@ def add_cli(parser) -> None:
 
 def _cli(args) -> int:
     from labkit.output import emit
-    from labkit.training.monitor import train_watched
+    from labkit.training.oom import train_watched
 
     cfg = config_from_args(args)
     watcher_code = train_watched(cfg, args)  # typed on a command line: a parent process names an OOM kill
