@@ -46,10 +46,12 @@ NEVER_ENDS = 1_000_000
 @contextlib.contextmanager
 def running_launcher(tmp_path, name):
     """`labkit launch` in a subprocess, yielded once msrun has started both workers; everything is ended after."""
+    err = open(tmp_path / f"{name}.stderr", "w")  # with PYTHONFAULTHANDLER, a SIGABRT writes every thread's stack
     proc = subprocess.Popen([sys.executable, "-m", "labkit", "launch", "--config", "configs/dp2_cpu.yaml",
-                             "--output", str(tmp_path / name), "--steps", str(NEVER_ENDS), "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-                            env={**os.environ, "GLOG_v": "3"})
+                             "--output", str(tmp_path / name), "--steps", str(NEVER_ENDS), "--json"],
+                            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                            env={**os.environ, "GLOG_v": "3", "PYTHONFAULTHANDLER": "1"})
+    err.close()
     me, seen = psutil.Process(proc.pid), set()
     try:
         deadline = time.time() + 240
@@ -75,7 +77,13 @@ def test_interrupt_ends_every_process(tmp_path):
     """What the notebook's interrupt button does: SIGINT to the launcher."""
     with running_launcher(tmp_path, "interrupted") as (proc, pids):
         os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)  # a guard against a hang: the launcher ends the job in ~2 s
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)  # where it hangs: the stacks faulthandler writes to its stderr
+            proc.wait(30)
+            pytest.fail("the launcher did not end after SIGINT; its stderr:\n"
+                        + (tmp_path / "interrupted.stderr").read_text(errors="replace")[-6000:])
         assert proc.returncode == 130
         assert json.loads(out) == {"ok": False, "error": "interrupted"}
         assert not _alive(pids)

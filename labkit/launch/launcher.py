@@ -43,7 +43,7 @@ from labkit.training.metrics import read_metrics
 from labkit.training.fault import Fault, check_fault
 from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
                                     python_on_path)
-from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Outcome, Supervisor, log_tail, start_guard,
+from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor, log_tail, start_guard,
                                       summary_from_log, supervise)
 
 
@@ -132,16 +132,17 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
         if fault is not None:
             log(f"fault drill: rank {fault.rank} will end itself with SIGKILL right after step {fault.after_step}")
         log(" ".join(files.command))
-        sup, guard = start(pl, files, timeout)
-        watch = Watch(pl, files, progress)
-        outcome = None
-        try:
+        sup = guard = watch = outcome = None
+        try:  # an interrupt at any moment from here on ends what was started: none is left behind
+            sup, guard = start(pl, files, timeout)
+            watch = Watch(pl, files, progress)
             outcome = supervise(sup, watch.tick)
         finally:
-            watch.close()
+            if watch is not None:
+                watch.close()
             if outcome is not None and outcome.state == FINISHED and not pl.total == 1:
                 sup.wait_root(30)  # msrun ends by itself once its scheduler is done
-            survivors = sup.stop()
+            survivors = sup.stop() if sup is not None else []
             if guard is not None:
                 guard.kill()
                 guard.wait()
@@ -195,9 +196,13 @@ def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None):
     root = subprocess.Popen(list(files.command), env=job_env(files.logs), stdin=subprocess.DEVNULL, stdout=sink,
                             stderr=subprocess.STDOUT, start_new_session=True)
     sink.close()
-    sup = Supervisor(root, single=single, first_rank=pl.node_rank * pl.workers, workers=pl.workers,
-                     msrun_log=files.logs / "msrun.log", timeout=timeout, started=started)
-    return sup, start_guard(root.pid)
+    try:
+        sup = Supervisor(root, single=single, first_rank=pl.node_rank * pl.workers, workers=pl.workers,
+                         msrun_log=files.logs / "msrun.log", timeout=timeout, started=started)
+        return sup, start_guard(root.pid)
+    except BaseException:  # interrupted before the caller could watch the job: end every process it has
+        Job(root, single, pl.node_rank * pl.workers).kill_all()
+        raise
 
 
 def fault_args(fault: Fault | None) -> list[str]:
