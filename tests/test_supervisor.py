@@ -125,3 +125,17 @@ def test_what_the_scheduler_says_about_another_node_ends_the_job(tmp_path):
     out = sup.poll()
     assert (out.state, out.reason) == (sv.FAILED, sv.CLUSTER_NOT_GATHERED)
     assert sup.stop() == [] and not alive(sup.pids)
+
+
+def test_an_interrupt_during_a_launch_sets_a_flag_and_the_handler_comes_back():
+    """SIGINT while `interrupt_flag` is held is a flag the watch loop turns into KeyboardInterrupt, wherever the main
+    thread was when it came (code that swallows a KeyboardInterrupt raised elsewhere cannot lose it)."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with sv.interrupt_flag() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs at the next bytecode; no KeyboardInterrupt here
+        assert flag.is_set()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -43,8 +43,8 @@ from labkit.training.metrics import read_metrics
 from labkit.training.fault import Fault, check_fault
 from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
                                     python_on_path)
-from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor, log_tail, start_guard,
-                                      summary_from_log, supervise)
+from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor,
+                                      interrupt_flag, log_tail, start_guard, summary_from_log, supervise)
 
 
 @dataclass
@@ -134,9 +134,10 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
         log(" ".join(files.command))
         sup = guard = watch = outcome = None
         try:  # an interrupt at any moment from here on ends what was started: none is left behind
-            sup, guard = start(pl, files, timeout)
-            watch = Watch(pl, files, progress)
-            outcome = supervise(sup, watch.tick)
+            with interrupt_flag() as interrupted:
+                sup, guard = start(pl, files, timeout)
+                watch = Watch(pl, files, progress)
+                outcome = supervise(sup, watch.tick, interrupted)
         finally:
             if watch is not None:
                 watch.close()

@@ -4,12 +4,14 @@ records each rank's memory cgroup and its counters when it first sees the rank, 
 against its memory controller afterwards (`memory_death`: an OOM kill since then, never a kill of its own)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,12 +254,36 @@ class Supervisor:
         return sorted(self.job.procs)
 
 
-def supervise(sup: Supervisor, on_tick=None) -> Outcome:
+@contextlib.contextmanager
+def interrupt_flag():
+    """While a job runs, SIGINT (Ctrl-C, a notebook's interrupt button) only sets a flag, which `supervise` turns into
+    KeyboardInterrupt at its next look. A KeyboardInterrupt raised by the signal itself lands wherever the main thread
+    happens to be, and code that swallows it there (an import, a library's clean-up) left a launch watching a job it
+    had been told to end; the flag is seen whatever ran when the signal came. The previous handler comes back after.
+    Outside the main thread (no signal handling there) and where SIGINT is ignored (a background job), nothing
+    changes."""
+    flag = threading.Event()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else signal.SIG_IGN
+    if previous == signal.SIG_IGN:
+        yield flag
+        return
+    signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def supervise(sup: Supervisor, on_tick=None, interrupted: threading.Event | None = None) -> Outcome:
     """Poll until the job is done; `on_tick()` runs after every look (progress, fault drills).
-    On KeyboardInterrupt every process is ended and the interrupt re-raised."""
+    On KeyboardInterrupt (or `interrupted` set, see `interrupt_flag`) every process is ended and KeyboardInterrupt
+    raised."""
     try:
         while True:
             time.sleep(POLL_S)
+            if interrupted is not None and interrupted.is_set():
+                raise KeyboardInterrupt
             out = sup.poll()
             if on_tick is not None:
                 on_tick()
