@@ -103,11 +103,11 @@ def test_the_knobs_carry_the_planners_figures():
     assert "halve --micro-batch until it fits" in O.memory_knobs(cfg, 10**6)  # the count fits: MindSpore's share
 
 
-def _sleeper(tmp_path, *extra) -> sv.Supervisor:
-    """A stand-in single worker (a sleeping Python) watched by a Supervisor; `extra` are its command's arguments."""
-    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *extra], start_new_session=True)
+def _sleeper(tmp_path, drill_rank=None) -> sv.Supervisor:
+    """A stand-in single worker (a sleeping Python) watched by a Supervisor; `drill_rank`: a fault drill's rank."""
+    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return sv.Supervisor(root, single=True, msrun_log=tmp_path / "logs" / "msrun.log")
+    return sv.Supervisor(root, single=True, msrun_log=tmp_path / "logs" / "msrun.log", drill_rank=drill_rank)
 
 
 def _killed(sup: sv.Supervisor) -> int:
@@ -127,7 +127,7 @@ def test_the_launcher_names_an_oom_kill_and_never_a_fault_drill(fake_cgroups, tm
                              f"out of memory, killed by the kernel's OOM killer"), reason
     assert "at its 1536 MB limit" in reason and "--micro-batch" in reason and "train.recompute=all" in reason
 
-    drill = _sleeper(tmp_path, "--kill-rank", "0")  # the fault drill: the rank ends itself and says so in its log
+    drill = _sleeper(tmp_path, drill_rank=0)  # the fault drill: the rank ends itself and says so in its log
     (tmp_path / "logs" / "worker_0.log").write_text("fault drill: rank 0 ends itself with SIGKILL after step 1\n")
     code = _killed(drill)
     v1_counters(fake_cgroups.v1, oom_kill=7, failcnt=180)

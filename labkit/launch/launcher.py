@@ -135,7 +135,7 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
         sup = guard = watch = outcome = None
         try:  # an interrupt at any moment from here on ends what was started: none is left behind
             with interrupt_flag() as interrupted:
-                sup, guard = start(pl, files, timeout)
+                sup, guard = start(pl, files, timeout, fault)
                 watch = Watch(pl, files, progress)
                 outcome = supervise(sup, watch.tick, interrupted)
         finally:
@@ -189,7 +189,7 @@ def job_env(logs: Path) -> dict:
     return python_on_path(env, logs / ".bin")
 
 
-def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None):
+def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None, fault: Fault | None = None):
     """Start the job's root process (msrun, or the single worker) in its own session, and the guard."""
     single = pl.total == 1
     started = time.perf_counter()
@@ -199,7 +199,8 @@ def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None):
     sink.close()
     try:
         sup = Supervisor(root, single=single, first_rank=pl.node_rank * pl.workers, workers=pl.workers,
-                         msrun_log=files.logs / "msrun.log", timeout=timeout, started=started)
+                         msrun_log=files.logs / "msrun.log", timeout=timeout, started=started,
+                         drill_rank=fault.rank if fault else None)
         return sup, start_guard(root.pid)
     except BaseException:  # interrupted before the caller could watch the job: end every process it has
         Job(root, single, pl.node_rank * pl.workers).kill_all()

@@ -1,7 +1,7 @@
 """Watching a job's processes: msrun puts each worker in its own session, so the supervisor records every process
 (pid and start time), notices a worker that died, ends all of them, and reads what the logs say about it. It also
 records each rank's memory cgroup and its counters when it first sees the rank, so a rank's death can be checked
-against its memory controller afterwards (`memory_death`: an OOM kill since then, never a kill of its own)."""
+against its memory controller afterwards (`memory_death`: an OOM kill since then, never a fault drill)."""
 from __future__ import annotations
 
 import contextlib
@@ -147,13 +147,14 @@ class Supervisor:
     `msrun_log` carries its report of failed workers, and `workers` ranks run on this node from `first_rank`."""
 
     def __init__(self, root: subprocess.Popen, *, single: bool, first_rank: int = 0, workers: int = 1,
-                 msrun_log: Path | None = None, timeout: float | None = None, started: float | None = None):
+                 msrun_log: Path | None = None, timeout: float | None = None, started: float | None = None,
+                 drill_rank: int | None = None):
         self.root, self.single, self.workers, self.msrun_log = root, single, workers, msrun_log
         self.job = Job(root, single, first_rank)
         self.timeout = timeout
         self.started = time.perf_counter() if started is None else started
         self.ended_at: dict[int, float] = {}  # rank -> when this supervisor first saw it gone
-        self.drill_rank = _drill_rank(root.args)  # the rank that ends itself with SIGKILL (--kill-rank), or None
+        self.drill_rank = drill_rank  # the rank a fault drill makes end itself with SIGKILL (--kill-rank), or None
         self.memory: dict[int, dict] = {}  # rank -> its memory cgroup and counters when first seen (memory_watch)
         self._watch_memory()
 
@@ -229,7 +230,7 @@ class Supervisor:
                 self.memory[r] = memory_watch(p.pid)
 
     def memory_death(self, rank: int | None, code: int) -> dict | None:
-        """Did `rank` die for lack of memory? `monitor.oom_evidence` on its exit code, the end of its log and its memory
+        """Did `rank` die for lack of memory? `oom.oom_evidence` on its exit code, the end of its log and its memory
         cgroup's counters since this supervisor first saw it. None for no rank, and for the SIGKILL of a fault drill
         (the rank ends itself and says so in its log; stop() comes after the outcome it reports)."""
         log = self.msrun_log.parent / f"worker_{rank}.log" if self.msrun_log else Path("-")
@@ -336,15 +337,6 @@ def start_guard(job_root: int) -> subprocess.Popen | None:
                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError:
-        return None
-
-
-def _drill_rank(args) -> int | None:
-    """The rank of a fault drill in the job's command (`--kill-rank R`), or None."""
-    args = [str(a) for a in args] if isinstance(args, (list, tuple)) else []
-    try:
-        return int(args[args.index("--kill-rank") + 1])
-    except (ValueError, IndexError):
         return None
 
 
