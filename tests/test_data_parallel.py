@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -43,6 +44,22 @@ def _cmdline(p) -> list[str]:
 NEVER_ENDS = 1_000_000
 
 
+def _as_a_shell_would():
+    """In the launcher's process before it starts: SIGINT handled by default and not blocked, as a terminal starts a
+    command. A child inherits ignored signals and the signal mask of the thread that started it, and this test's
+    process is a pytest-xdist worker whose state earlier tests (and the libraries they load) may have changed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def _signal_state(pid: int) -> str:
+    try:
+        return " ".join(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return str(e)
+
+
 @contextlib.contextmanager
 def running_launcher(tmp_path, name):
     """`labkit launch` in a subprocess, yielded once msrun has started both workers; everything is ended after."""
@@ -50,7 +67,7 @@ def running_launcher(tmp_path, name):
     proc = subprocess.Popen([sys.executable, "-m", "labkit", "launch", "--config", "configs/dp2_cpu.yaml",
                              "--output", str(tmp_path / name), "--steps", str(NEVER_ENDS), "--json"],
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                            env={**os.environ, "GLOG_v": "3", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "GLOG_v": "3", "PYTHONFAULTHANDLER": "1"}, preexec_fn=_as_a_shell_would)
     err.close()
     me, seen = psutil.Process(proc.pid), set()
     try:
@@ -76,13 +93,16 @@ def running_launcher(tmp_path, name):
 def test_interrupt_ends_every_process(tmp_path):
     """What the notebook's interrupt button does: SIGINT to the launcher."""
     with running_launcher(tmp_path, "interrupted") as (proc, pids):
+        before = _signal_state(proc.pid)
         os.kill(proc.pid, signal.SIGINT)
         try:
             out, _ = proc.communicate(timeout=60)  # a guard against a hang: the launcher ends the job in ~2 s
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGABRT)  # where it hangs: the stacks faulthandler writes to its stderr
+            after = _signal_state(proc.pid)
             proc.wait(30)
-            pytest.fail("the launcher did not end after SIGINT; its stderr:\n"
+            pytest.fail(f"the launcher did not end after SIGINT; its signal state before it: {before}; "
+                        f"60 s after: {after}; its stderr:\n"
                         + (tmp_path / "interrupted.stderr").read_text(errors="replace")[-6000:])
         assert proc.returncode == 130
         assert json.loads(out) == {"ok": False, "error": "interrupted"}
