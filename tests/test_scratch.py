@@ -1,0 +1,79 @@
+"""The Llama written from MindSpore primitives (labkit.model.scratch) is mindformers' model: same initial weights
+from the same seed, same logits and loss (padding included); and its tensor-parallel slices join back exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from labkit.config import model_preset
+from labkit.errors import LabkitError
+from labkit.model import scratch
+from labkit.training.pipeline import programs, transfers
+
+
+@pytest.fixture(scope="module")
+def pynative():
+    import mindspore as ms
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    return ms
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_and_loss_equal_mindformers(pynative, tied):
+    from labkit.model.llama import build_model
+
+    ms = pynative
+    cfg = model_preset("tiny", tie_word_embeddings=tied)
+    s = 24
+    model = build_model(cfg, seq_length=s, seed=7)
+    weights = scratch.mindformers_weights(model)
+    if not tied:  # the lab's init, drawn without mindformers, is the one build_model(seed=) applies
+        mine = scratch.init(cfg, 7)
+        assert sorted(mine) == sorted(weights)
+        assert all(np.array_equal(mine[k], weights[k]) for k in mine)
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, s + 1)).astype(np.int32)
+    ids[0, 5] = ids[1, 0] = cfg.pad_token_id  # padding is masked as a key and in the loss, as mindformers does
+    tokens, labels, mask = scratch.split_batch(ids, cfg.pad_token_id)
+    p = scratch.parameters(weights, cfg)
+    ours = scratch.logits(p, tokens, cfg).asnumpy()
+    model.set_train(False)
+    out = model(ms.Tensor(tokens.asnumpy()))
+    theirs = (out[0] if isinstance(out, tuple) else out).asnumpy().reshape(ours.shape)
+    # the same float32 operations in the same order: equal to rounding (bitwise on the machines measured)
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    model.set_train(True)
+    num, den = scratch.loss_terms(ms.Tensor(ours), labels, mask)
+    assert float(num.asnumpy() / den.asnumpy()) == pytest.approx(float(model(ms.Tensor(ids)).asnumpy()), rel=1e-6)
+
+
+def test_tensor_parallel_slices_join_back():
+    cfg = model_preset("tiny")
+    full = scratch.init(cfg, 0)
+    for name in scratch.names(cfg):
+        parts = [scratch.shard_array(name, full[name], scratch.Shard(tp_size=2, tp_rank=r)) for r in range(2)]
+        assert np.array_equal(scratch.unshard(name, parts), full[name])
+        if name.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT):
+            assert parts[0].size * 2 == full[name].size
+    with pytest.raises(LabkitError, match="does not divide num_kv_heads 4"):
+        scratch.check_shard(cfg, scratch.Shard(tp_size=8))
+    stage1 = scratch.names(cfg, scratch.Shard(first_layer=1))
+    assert scratch.EMBED not in stage1 and scratch.HEAD in stage1 and not any(".layers.0." in n for n in stage1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_pipeline_programs_pair_their_transfers(schedule, m):
+    """Broadcasts pair up only if both stages take part in them in the same order; every micro-batch is computed
+    forward then backward once on each stage; the stashed micro-batches peak at m (GPipe) or p - stage (1F1B)."""
+    prog = programs(schedule, m)
+    assert transfers(prog[0]) == transfers(prog[1])
+    for stage in (0, 1):
+        computed = [(a, j) for a, j in prog[stage] if a in ("F", "B")]
+        assert sorted(computed) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+        assert all(computed.index(("F", j)) < computed.index(("B", j)) for j in range(m))
+        live = peak = 0
+        for a, _ in computed:
+            live += 1 if a == "F" else -1
+            peak = max(peak, live)
+        assert peak == (m if schedule == "gpipe" else min(m, 2 - stage))
