@@ -19,6 +19,7 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     # at the start every worker and kernel imports MindSpore at once (3 workers: 39-52 s there, 21 s with 2)
     "tests/test_multinode.py",  # 198
     "tests/test_faults.py",  # 176
+    "tests/test_layouts.py",  # ~130: two msrun launches (2 and 4 workers) running every parallel layout
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
     "notebooks/06_auto_parallel.ipynb",  # 91

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -155,44 +154,23 @@ def run_tp_demo(workers: int = 2, *, output_dir: str | os.PathLike | None = None
 
     msrun puts each worker in its own session, so on a timeout or a failed worker the launcher's supervisor ends
     msrun's process group and every worker's session: nothing is left running."""
-    from labkit.errors import LabkitError, LabkitFailure
-    from labkit.launch.supervisor import FINISHED, Supervisor, log_tail, supervise
-    from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
-    from labkit.parallel.msrun import msrun_args, msrun_head
+    from labkit.errors import LabkitError
+    from labkit.launch.workers import run_workers
     from labkit.paths import RUNS
 
     if workers < 2:
         raise LabkitError(f"the tensor-parallel demo needs >= 2 workers, got {workers}")
-    if not (Path(sys.executable).parent / "msrun").exists():
-        raise LabkitError(f"msrun not found next to {sys.executable}", "install MindSpore into this environment")
     out = Path(output_dir) if output_dir else RUNS / "tp_demo" / time.strftime("%Y%m%d-%H%M%S")
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank_*.json"), *out.glob("mlp_rank*.npz")]:
         old.unlink()
-    env = python_on_path({k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, logs / ".bin")
-    env["GLOG_v"] = "3"
-    cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs, head=msrun_head())
-    cmd += [str(Path(__file__).resolve()), "worker", str(out)] + ([str(Path(mlp).resolve())] if mlp else [])
-    t0 = time.time()
-    with open(logs / "msrun.log", "w", encoding="utf-8") as sink:
-        root = subprocess.Popen(cmd, cwd=out, env=env, stdin=subprocess.DEVNULL, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    sup = Supervisor(root, single=False, workers=workers, msrun_log=logs / "msrun.log", timeout=timeout)
-    try:
-        outcome = supervise(sup)
-    finally:
-        survivors = sup.stop()
+    task = [str(Path(__file__).resolve()), "worker", str(out)] + ([str(Path(mlp).resolve())] if mlp else [])
+    run = run_workers(task, workers, out, what="the tensor-parallel demo", timeout=timeout,
+                      expect=lambda: len(list(out.glob("rank_*.json"))) == workers)
     results = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
-    if outcome.state != FINISHED or len(results) != workers:
-        what = (f"did not finish in {timeout:g} s" if outcome.state == "timeout" else
-                f"failed (msrun exit {root.returncode}, {len(results)}/{workers} workers reported)")
-        ended = "every process was ended" if not survivors else f"processes {survivors} could not be ended"
-        raise LabkitFailure(f"the tensor-parallel demo {what}; {ended}",
-                            f"see {logs}; last lines of rank 0's log:\n{log_tail(logs / 'worker_0.log')}")
     worst = {k: max(r["max_abs_diff"][k] for r in results) for k in results[0]["max_abs_diff"]}
-    return {"workers": workers, "max_abs_diff": worst, "per_rank": results, "seconds": round(time.time() - t0, 1),
-            "command": " ".join(["msrun", *cmd[1:]]), "log_dir": str(logs), "pids": sup.pids}
+    return {"workers": workers, "max_abs_diff": worst, "per_rank": results, "seconds": run.seconds,
+            "command": run.command, "log_dir": str(run.log_dir), "pids": run.pids}
 
 
 # ----------------------------------------------------------------------------------- pipeline schedules

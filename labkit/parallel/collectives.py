@@ -1,0 +1,214 @@
+"""The collectives a hand-written parallel layout needs, each with its backward, from what MindSpore's CPU backend
+runs (2.9: AllReduce, AllGather and Broadcast; Broadcast only on the world group; no ReduceScatter, no Send/Receive).
+
+    copy_in      forward identity,                  backward all-reduce      (Megatron's f: enter a TP block)
+    reduce_out   forward all-reduce,                backward identity        (Megatron's g: leave a TP block)
+    gather_seq   forward all-gather of the sequence, backward reduce-scatter (SP: enter a TP block)
+    scatter_seq  forward reduce-scatter,            backward all-gather      (SP: leave a TP block)
+    split_seq    forward keep my sequence chunk,    backward all-gather      (SP: after the embedding)
+    unsplit_seq  forward all-gather of the sequence, backward keep my chunk  (SP: before a replicated head)
+
+A reduce-scatter is an all-reduce followed by keeping one's own slice (the CPU backend has no ReduceScatter): the
+same result, but every worker holds the whole tensor for a moment and the wire carries an all-reduce's bytes.
+`Traffic` counts both: what this stand-in sent and what Ascend's HCCL would send for the real operation.
+A stage-to-stage transfer (`transfer`) is a broadcast from the sender on the world group, elsewhere an all-reduce
+to which the receiver contributes zeros.
+
+Bytes are counted per worker with the ring algorithm's volumes (p workers, n bytes of the full tensor):
+all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+SEQ = 1  # the sequence axis of [batch, seq, hidden]
+
+
+@dataclass
+class Traffic:
+    """Per operation name: calls, bytes this worker sent (as run here) and bytes the real collective sends."""
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    sent: dict = field(default_factory=lambda: defaultdict(float))
+    ideal: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, name: str, sent: float, ideal: float | None = None) -> None:
+        self.calls[name] += 1
+        self.sent[name] += sent
+        self.ideal[name] += sent if ideal is None else ideal
+
+    def total(self, ideal: bool = False) -> float:
+        return sum((self.ideal if ideal else self.sent).values())
+
+    def as_dict(self) -> dict:
+        return {k: {"calls": self.calls[k], "sent_bytes": self.sent[k], "ideal_bytes": self.ideal[k]}
+                for k in sorted(self.calls)}
+
+
+def nbytes(x) -> int:
+    return int(x.size) * x.itemsize
+
+
+@dataclass
+class Group:
+    """A set of workers that reduce together: its MindSpore group name, its size and this worker's index in it."""
+    name: str
+    size: int
+    index: int
+    ranks: tuple = ()
+    traffic: Traffic = field(default_factory=Traffic)
+
+    def __post_init__(self):
+        self._ops = {}
+
+    def op(self, kind: str):
+        if kind not in self._ops:
+            from mindspore import ops
+
+            self._ops[kind] = {"all_reduce": lambda: ops.AllReduce(group=self.name),
+                               "all_gather": lambda: ops.AllGather(group=self.name)}[kind]()
+        return self._ops[kind]
+
+    # ---------------------------------------------------------------- forward-only operations, counted
+    def all_reduce(self, x, name: str = "all_reduce"):
+        if self.size == 1:
+            return x
+        self.traffic.add(name, 2 * (self.size - 1) / self.size * nbytes(x))
+        return self.op("all_reduce")(x)
+
+    def all_gather(self, x, axis: int = 0, name: str = "all_gather"):
+        """Concatenate every worker's x along `axis` (in group order)."""
+        if self.size == 1:
+            return x
+        from mindspore import ops
+
+        self.traffic.add(name, (self.size - 1) * nbytes(x))
+        if axis == 0:
+            return self.op("all_gather")(x)
+        perm = _swap(x.ndim, axis)
+        return ops.transpose(self.op("all_gather")(ops.transpose(x, perm)), perm)
+
+    def reduce_scatter(self, x, axis: int = 0, name: str = "reduce_scatter"):
+        """The sum over workers, of which this worker keeps its 1/size slice along `axis` (all-reduce + slice)."""
+        if self.size == 1:
+            return x
+        n = nbytes(x)
+        self.traffic.add(name, 2 * (self.size - 1) / self.size * n, (self.size - 1) / self.size * n)
+        return chunk(self.op("all_reduce")(x), axis, self.size, self.index)
+
+    def transfer(self, x, src: int, world: bool, name: str = "p2p"):
+        """x of worker `src` (an index in this group) delivered to every worker of the group; the others pass a
+        tensor of the same shape and dtype (its values are not used)."""
+        from mindspore import ops
+
+        if world:
+            self.traffic.add(name, nbytes(x) if self.index == src else 0.0)
+            return ops.Broadcast(src, group=self.name)((x,))[0]
+        mine = x if self.index == src else ops.zeros_like(x)
+        self.traffic.add(name, 2 * (self.size - 1) / self.size * nbytes(x), nbytes(x) if self.index == src else 0.0)
+        return self.op("all_reduce")(mine)
+
+
+def _swap(ndim: int, axis: int) -> tuple:
+    perm = list(range(ndim))
+    perm[0], perm[axis] = axis, 0
+    return tuple(perm)
+
+
+def chunk(x, axis: int, parts: int, index: int):
+    """The index-th of `parts` equal slices of x along axis."""
+    k = x.shape[axis] // parts
+    sl = [slice(None)] * x.ndim
+    sl[axis] = slice(index * k, (index + 1) * k)
+    return x[tuple(sl)]
+
+
+def cells(group: Group) -> dict:
+    """The six differentiable operations of the module docstring, as `nn.Cell`s with a hand-written `bprop`
+    (autodiff cannot differentiate AllGather on CPU: its backward would be a ReduceScatter)."""
+    from mindspore import nn
+
+    class CopyIn(nn.Cell):
+        def construct(self, x):
+            return x
+
+        def bprop(self, x, out, dout):
+            return (group.all_reduce(dout, "tp_all_reduce_bwd"),)
+
+    class ReduceOut(nn.Cell):
+        def construct(self, x):
+            return group.all_reduce(x, "tp_all_reduce_fwd")
+
+        def bprop(self, x, out, dout):
+            return (dout,)
+
+    class GatherSeq(nn.Cell):
+        def construct(self, x):
+            return group.all_gather(x, SEQ, "sp_all_gather_fwd")
+
+        def bprop(self, x, out, dout):
+            return (group.reduce_scatter(dout, SEQ, "sp_reduce_scatter_bwd"),)
+
+    class ScatterSeq(nn.Cell):
+        def construct(self, x):
+            return group.reduce_scatter(x, SEQ, "sp_reduce_scatter_fwd")
+
+        def bprop(self, x, out, dout):
+            return (group.all_gather(dout, SEQ, "sp_all_gather_bwd"),)
+
+    class SplitSeq(nn.Cell):
+        def construct(self, x):
+            return chunk(x, SEQ, group.size, group.index)
+
+        def bprop(self, x, out, dout):
+            return (group.all_gather(dout, SEQ, "sp_split_bwd"),)
+
+    class UnsplitSeq(nn.Cell):
+        def construct(self, x):
+            return group.all_gather(x, SEQ, "sp_unsplit_fwd")
+
+        def bprop(self, x, out, dout):
+            return (chunk(dout, SEQ, group.size, group.index),)
+
+    return {"copy_in": CopyIn(), "reduce_out": ReduceOut(), "gather_seq": GatherSeq(), "scatter_seq": ScatterSeq(),
+            "split_seq": SplitSeq(), "unsplit_seq": UnsplitSeq()}
+
+
+class TensorParallel:
+    """The model's hooks (labkit.model.scratch.Hooks) for Megatron tensor parallelism over `group`."""
+
+    def __init__(self, group: Group):
+        c = cells(group)
+        self.block_in, self.block_out = c["copy_in"], c["reduce_out"]
+
+    def seq_in(self, x):
+        return x
+
+    def seq_out(self, x):
+        return x
+
+
+class SequenceParallel:
+    """The hooks for tensor + sequence parallelism (Korthikanti et al. 2022): the residual stream and the norms are
+    split along the sequence; all-gather before each TP block, reduce-scatter after it."""
+
+    def __init__(self, group: Group):
+        c = cells(group)
+        self.block_in, self.block_out = c["gather_seq"], c["scatter_seq"]
+        self.seq_in, self.seq_out = c["split_seq"], c["unsplit_seq"]
+
+
+def make_group(ranks, rank: int, world_size: int, traffic: Traffic | None = None) -> Group:
+    """The Group of `ranks` (this worker among them); the whole job is MindSpore's world group, any other set is
+    created (every member calls this with the same ranks)."""
+    from mindspore.communication import GlobalComm, create_group
+
+    ranks = tuple(sorted(ranks))
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in the group {ranks}")
+    if len(ranks) == world_size:
+        name = GlobalComm.WORLD_COMM_GROUP
+    else:
+        name = "labkit_" + "_".join(map(str, ranks))
+        if len(ranks) > 1:
+            create_group(name, list(ranks))
+    return Group(name, len(ranks), ranks.index(rank), ranks, traffic if traffic is not None else Traffic())
