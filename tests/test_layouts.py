@@ -64,3 +64,23 @@ def test_pipeline_stash_follows_the_schedule(result):
         for w, peak in zip(result["layouts"][name]["per_worker"], peaks):
             assert all(step["peak_held_microbatches"] == peak for step in w["pipeline"])
             assert all(0 <= step["idle_share"] < 1 for step in w["pipeline"])  # reported, not bounded: a timing
+
+
+def test_each_worker_holds_what_the_planner_says_or_a_named_cause(result):
+    """The planner's per-card weights, gradients and optimizer states against what each worker held; every
+    difference is a term `parallel_lab.explained` names (the whole head under TP, ZeRO-2's gradient shard)."""
+    rows = parallel_lab.against_planner(result)
+    assert len(rows) == 3 * sum(len(r["per_worker"]) for r in result["layouts"].values())
+    assert all(r["unexplained"] == 0 for r in rows), [r for r in rows if r["unexplained"]]
+    assert any(r["explained"] for r in rows)
+
+
+def test_bytes_sent_are_the_textbook_volumes(result):
+    """At the collectives, the bytes of the tensors really passed, per step, against the formulas from the
+    configuration; the process's own read/write counter carries at least that many."""
+    rows = parallel_lab.comm_rows(result)
+    assert {r["dimension"] for r in rows} == {"dp", "tp", "sp", "pp", "zero"}
+    for r in rows:
+        assert r["counted"] == pytest.approx(r["textbook"], rel=1e-9), r
+        assert r["cpu_stand_in"] >= r["counted"]  # a reduce-scatter sent as an all-reduce: more, never less
+        assert r["io_per_step"] >= r["counted"], r

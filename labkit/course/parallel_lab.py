@@ -109,3 +109,114 @@ def compare(root: Path | None = None) -> dict:
                 "per_worker": [{k: r[k] for k in ("rank", "place", "held", "sent_bytes", "ideal_sent_bytes",
                                                   "io_bytes", "traffic", "pipeline", "seconds")} for r in rows]}
     return {"tolerance": tol, "reference": {k: ref[k] for k in ("losses", "grad_norms", "held")}, "layouts": out}
+
+
+# ------------------------------------------------------------------------------------------ against the planner
+
+
+def planner_lines(lay: dict, stage: str | None = None) -> dict:
+    """The planner's bytes per worker (float32 weights, gradients and AdamW moments) for a layout, per stage."""
+    from labkit.parallel.memory import MOMENT_BYTES, stage_params
+
+    cfg = layouts.model_cfg()
+    stages = stage_params(cfg, lay["tp"], lay["pp"])
+    params = stages[stage or ("only" if lay["pp"] == 1 else "first")]["params"]
+    return {"params": 4 * params, "grads": 4 * params,
+            "optimizer": MOMENT_BYTES * params / (lay["dp"] if lay["zero"] else 1)}
+
+
+# Where the lab's hand-written layouts hold something else than the planner counts, and why (bytes per worker).
+def explained(lay: dict, stage: str) -> dict:
+    """What the planner's lines leave out or count differently for this layout: {term: bytes the measurement holds
+    more (+) or less (-) than the planner}, each for a stated cause."""
+    cfg = layouts.model_cfg()
+    vocab_h = cfg.vocab_size * cfg.hidden_size
+    out = {}
+    if lay["tp"] > 1 and not cfg.tie_word_embeddings:
+        # the planner splits the output layer over mp (a vocabulary-parallel head, as mindformers does); the lab's
+        # tensor parallel keeps the head whole on every worker (the vocabulary-parallel head is not written)
+        head = 4 * vocab_h * (1 - 1 / lay["tp"])
+        out.update({"params": head, "grads": head, "optimizer": 2 * head})
+    if lay["zero"] == 2:
+        # ZeRO-2 keeps 1/dp of the gradients; the planner models optimizer sharding only (ZeRO-1)
+        every = 4 * sum(int(np.prod(s)) for s in scratch.shapes(cfg).values())
+        out["grads"] = -(every - every / lay["dp"])
+    if lay["zero"]:
+        # ZeRO's flat buffer is padded to a multiple of dp elements: at most dp - 1 elements of 8 bytes more
+        out.setdefault("optimizer", 0.0)
+    return out
+
+
+def against_planner(result: dict) -> list[dict]:
+    """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left."""
+    rows = []
+    for name, row in result["layouts"].items():
+        for w in row["per_worker"]:
+            lay = w["layout"] if "layout" in w else _layout_of(name)
+            stage = "only" if lay["pp"] == 1 else ("first", "last")[w["place"][1]]
+            plan, why = planner_lines(lay, stage), explained(lay, stage)
+            for term in ("params", "grads", "optimizer"):
+                measured = w["held"][term]
+                rows.append({"layout": name, "rank": w["rank"], "term": term, "measured": measured,
+                             "planner": plan[term], "explained": why.get(term, 0.0),
+                             "unexplained": measured - plan[term] - why.get(term, 0.0)})
+    return rows
+
+
+def _layout_of(name: str) -> dict:
+    from dataclasses import asdict
+
+    return next(asdict(lay) for n in layouts.LAYOUTS for lay in layouts.LAYOUTS[n] if lay.name == name)
+
+
+MAIN_OPS = {"tp": ("tp_all_reduce_fwd", "tp_all_reduce_bwd"),
+            "sp": ("sp_all_gather_fwd", "sp_all_gather_bwd", "sp_reduce_scatter_fwd", "sp_reduce_scatter_bwd"),
+            "dp": ("dp_all_reduce",), "zero": ("zero1_reduce_scatter", "zero2_reduce_scatter", "zero_all_gather"),
+            "pp": ("pp_activation", "pp_gradient")}
+
+
+def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> dict:
+    """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
+    tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
+    all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
+    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times); pipeline b·s·h per micro-batch per boundary, forward from stage 0, backward
+    from stage 1."""
+    cfg = layouts.model_cfg(settings)
+    s, h, L, g = settings["seq_len"], cfg.hidden_size, cfg.num_layers, settings["global_batch"]
+    ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
+    act = g // lay["dp"] * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
+    out = {}
+    if lay["tp"] > 1:
+        out["sp" if lay["sp"] else "tp"] = 4 * L * ring(lay["tp"]) * act
+    if lay["dp"] > 1:
+        every = 4 * sum(int(np.prod(v)) for v in scratch.shapes(cfg).values())
+        per = every if lay["tp"] == 1 else every - _split_bytes(cfg) * (1 - 1 / lay["tp"])
+        out["zero" if lay["zero"] else "dp"] = ring(lay["dp"]) * per
+        if lay["zero"] == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
+            out["zero"] = (lay["micro"] + 1) * (lay["dp"] - 1) / lay["dp"] * per
+    if lay["pp"] > 1:
+        out["pp"] = act  # m micro-batches of b/m: one whole batch's activations (stage 0) or gradients (stage 1)
+    return out
+
+
+def _split_bytes(cfg) -> int:
+    return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items()
+                   if k.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT))
+
+
+def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:
+    """Per layout, worker and dimension, bytes sent per step: the textbook's, as counted at the collectives (what
+    the real operation sends, and what its CPU stand-in sent), and what the process read and wrote (/proc/self/io:
+    every collective of the step, both directions)."""
+    rows, steps = [], settings["steps"]
+    for name, row in result["layouts"].items():
+        for w in row["per_worker"]:
+            lay = _layout_of(name)
+            book = textbook_bytes(lay, w["place"][1], settings)
+            for dim, expect in book.items():
+                ops = [w["traffic"][k] for k in MAIN_OPS[dim] if k in w["traffic"]]
+                rows.append({"layout": name, "rank": w["rank"], "dimension": dim, "textbook": expect,
+                             "counted": sum(o["ideal_bytes"] for o in ops) / steps,
+                             "cpu_stand_in": sum(o["sent_bytes"] for o in ops) / steps,
+                             "io_per_step": w["io_bytes"] / steps})
+    return rows
