@@ -77,3 +77,25 @@ def test_pipeline_programs_pair_their_transfers(schedule, m):
             live += 1 if a == "F" else -1
             peak = max(peak, live)
         assert peak == (m if schedule == "gpipe" else min(m, 2 - stage))
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=False, num_key_value_heads=4, rope_theta=5e5)])
+def test_a_converted_hf_llama_gives_the_hf_logits(pynative, tmp_path, variant):
+    """The chain a team uses: an HF Llama, converted by the lab, loaded into the scratch model: the HF logits
+    (GQA with a tied head, and MHA with an untied head and another RoPE base)."""
+    from labkit.weights import convert, parity
+    from labkit.weights.formats import as_float32, ckpt_index, read_ckpt_tensor
+    from labkit.weights.hf_config import read_model_config
+
+    hf = parity.make_hf_llama(tmp_path / "hf", seed=5, **variant)
+    convert.hf2ms(hf, tmp_path / "ms")
+    cfg = read_model_config(tmp_path / "ms")
+    ckpt = tmp_path / "ms" / "model.ckpt"
+    weights = {n: as_float32(read_ckpt_tensor(ckpt, e), e.dtype) for n, e in ckpt_index(ckpt).items()}
+    tokens = parity.fixed_tokens(cfg.vocab_size, 20, seed=2)
+    theirs = parity.hf_side(hf, tokens, 0)["logits"]
+    import mindspore as ms
+
+    ours = scratch.logits(scratch.parameters(weights, cfg), ms.Tensor(np.array([tokens], np.int32)), cfg,
+                          pad_token_id=-1).asnumpy()[0]
+    assert np.abs(ours - theirs).max() <= parity.TOLERANCE
