@@ -11,6 +11,7 @@ from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
 from labkit.launch.supervisor import POLL_S, Supervisor, log_tail
 from labkit.parallel.msrun import NO_TAIL, msrun_args, msrun_head
 from labkit.model.shapes import grad_shapes
+from labkit.parallel.collectives import io_bytes
 
 
 def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_000_000, 4_000_000),
@@ -131,15 +132,6 @@ def _join_cluster():
     return rank, size, lambda: reduce_one(one).asnumpy()
 
 
-def _io_bytes() -> int:
-    """Bytes this process has passed to read and write system calls so far (/proc/self/io rchar + wchar)."""
-    try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    except (OSError, ValueError):
-        return 0
-    return int(fields.get("rchar", 0)) + int(fields.get("wchar", 0))
-
-
 def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str = "float32", raw: bool = False) -> dict:
     """Median time of DistributedGradReducer(mean=True) over tensors of `shapes` in `dtype` (`raw`: a bare
     ops.AllReduce sum of each, and `mean_ok` checks the sum), ranks aligned before each call; `io_bytes_per_call` is
@@ -165,7 +157,7 @@ def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str =
     expected = size * (size + 1) / 2 if raw else (size + 1) / 2
     seconds = []
     align()
-    io_start = _io_bytes()
+    io_start = io_bytes()
     for _ in range(repeats):
         align()
         t = time.perf_counter()
@@ -173,7 +165,7 @@ def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str =
         res[-1].asnumpy()
         seconds.append(time.perf_counter() - t)
     align()  # every rank done: a send still in flight when rank 0's result arrived is counted too
-    io = _io_bytes() - io_start  # the aligning all-reduces of one float add a few hundred bytes
+    io = io_bytes() - io_start  # the aligning all-reduces of one float add a few hundred bytes
     numel = int(sum(np.prod(s) for s in shapes))
     nbytes = numel * np_dtype.itemsize
     med = statistics.median(seconds)

@@ -24,7 +24,7 @@ import numpy as np
 
 from labkit.config import model_preset
 from labkit.io import atomic_write_text
-from labkit.parallel.collectives import Group, Traffic, make_group
+from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
 from labkit.training.sharded import Layout, Optim, Worker
 
 LAYOUTS = {
@@ -62,15 +62,6 @@ def groups_of(layout: Layout, rank: int, world: int, traffic: Traffic) -> dict:
     if world == 1:
         return {k: Group("none", 1, 0, (0,), traffic) for k in members}
     return {k: make_group(v, rank, world, traffic) for k, v in members.items()}
-
-
-def io_bytes() -> int:
-    """Bytes this process has read and written through system calls (/proc/self/io), as notebook 08 counts them."""
-    try:
-        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    except (OSError, ValueError):
-        return 0
-    return int(fields.get("rchar", 0)) + int(fields.get("wchar", 0))
 
 
 def train_layout(layout: Layout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
