@@ -10,7 +10,7 @@ mark survives execve), so a parent that had held the checkpoint would inflate ev
     python bench/convert_throughput.py [--size-mb 400] [--dtype bfloat16] [--shard-mb 200] [--json]
     python bench/convert_throughput.py --tinyllama --parity     # TinyLlama-1.1B's shape, plus logits parity
 
-With --parity the converted copy is also checked against the HF original (`labkit.parity`, float32, one side
+With --parity the converted copy is also checked against the HF original (`labkit.weights.parity`, float32, one side
 at a time), which is how the ~1B-parameter parity figure in notebook 01 was measured.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ and the share of a data-parallel step spent in the gradient all-reduce.
     python bench/dp_scaling.py --steps 20 --workers 2
 
 Throughput is the median over the steps after the first (which compiles the graph). The all-reduce is timed by
-`labkit.probe.measure_allreduce` on tensors shaped like the model's gradients (the reducer training uses).
+`labkit.launch.probe.measure_allreduce` on tensors shaped like the model's gradients (the reducer training uses).
 On a shared machine the figures swing with the load: run it when the machine is quiet, and say so when quoting.
 """
 from __future__ import annotations

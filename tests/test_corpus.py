@@ -1,4 +1,4 @@
-"""labkit.corpus: what counts as a document, and how bad input is named."""
+"""labkit.data.corpus: what counts as a document, and how bad input is named."""
 import gzip
 import json
 

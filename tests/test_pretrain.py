@@ -1,4 +1,4 @@
-"""Notebook 07's logic (labkit.pretrain, labkit.widgets) and the notebook itself under papermill: the 7B plan-only
+"""Notebook 07's logic (labkit.course.pretrain, labkit.course.widgets) and the notebook itself under papermill: the 7B plan-only
 path and the validation stop here; its multi-worker training path runs once per node in tests/test_multinode.py
 (two nodes, resumed, equal to one node and one card), its CPU smoke run under nbval."""
 import html

@@ -1,4 +1,4 @@
-"""labkit.tokenizer: the shipped tokenizer is aligned across HF fast, HF slow and mindformers; drift is caught;
+"""labkit.data.tokenizer: the shipped tokenizer is aligned across HF fast, HF slow and mindformers; drift is caught;
 vocabulary growth is a command."""
 import json
 

@@ -7,7 +7,7 @@ Tensor parallel (Megatron-style, as mindformers' `model_parallel` shards a Llama
     gives the full activation instead.
   - attention: the heads are split over workers (wq/wk/wv rows, wo columns); one AllReduce after wo.
 The worker runs under `msrun --worker_num=2 --local_worker_num=2 --master_port=P --log_dir=D --join=True
-labkit/tp_demo.py worker DIR [MLP.npz]` (CPU, mccl) and compares each block with the single-process result. With
+labkit/course/tp_demo.py worker DIR [MLP.npz]` (CPU, mccl) and compares each block with the single-process result. With
 MLP.npz (arrays x, w1, w3, w2, e.g. one layer of a real model: `save_mlp`) the MLP block uses those instead of random
 weights, and each worker writes what it computed (`mlp_rank<i>.npz`: its partial sum and the all-reduced output),
 so a notebook can compare the workers with its own split done in one process (`load_mlp_outputs`).

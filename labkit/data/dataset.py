@@ -388,9 +388,6 @@ def histograms(dataset_dir) -> dict:
     return dict(doc_lengths=np.load(d / "doc_lengths.npy"), token_counts=np.load(d / "token_counts.npy"))
 
 
-# ---------------------------------------------------------------------------------------------- bench
-
-
 # ------------------------------------------------------------------------------------------------ CLI
 
 

@@ -241,7 +241,7 @@ def node_files(pl: PreparedLaunch) -> tuple[Path, Path]:
 
 def cluster_timeout(cfg) -> int:
     """parallel.cluster_timeout_s (seconds msrun's processes wait for the whole cluster to gather)."""
-    return int(getattr(cfg.parallel, "cluster_timeout_s", 300))
+    return int(cfg.parallel.cluster_timeout_s)
 
 
 def command(pl: PreparedLaunch, config_file: Path, logs: Path) -> list[str]:

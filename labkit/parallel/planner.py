@@ -27,9 +27,6 @@ DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatro
 DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe (dp 8 x batch 1 x accum 8)
 
 
-# ------------------------------------------------------------------------------------------- memory model
-
-
 # ----------------------------------------------- backward tensors MindSpore computes during the forward pass
 # MindSpore's kernel graph runs a kernel soon after its inputs exist (its launch order: MS_ALLOC_CONF=
 # memory_tracker:True task.csv, against MS_DEV_SAVE_GRAPHS=1 graph_build_*.ir). Backward-pass and optimizer kernels

@@ -5,7 +5,7 @@ written with `ms.value_and_grad`, `nn.AdamWeightDecay`, `ms.amp.DynamicLossScale
 `@ms.jit`. The same code runs stand-alone, under msrun (data parallel) and on Ascend/GPU. With train.kernels custom
 on CPU the optimizer is its C++ subclass (labkit.model.kernels.adamw): the same update, fewer passes.
 
-Step t (0-based) consumes the global batch t of `labkit.loader.make_loader`; checkpoints store the step, so a resumed
+Step t (0-based) consumes the global batch t of `labkit.data.loader.make_loader`; checkpoints store the step, so a resumed
 run reads exactly the batches the uninterrupted run would have read.
 """
 from __future__ import annotations

@@ -45,9 +45,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 EXTRA_FILES = ("generation_config.json",)
 
 
-# --------------------------------------------------------------------------------------- HF config rules
-
-
 # ------------------------------------------------------------------------------------- hf2ms
 
 
