@@ -100,10 +100,10 @@ def test_halving_stops_at_the_first_fit_and_on_a_non_memory_death():
 
 def test_planner_prediction_grows_with_the_micro_batch_in_activations_only():
     from labkit.config import load_run_config
-    from labkit.course.troubleshoot import predicted_mb
+    from labkit.training.oom import planner_need_mb
 
     cfg = load_run_config("configs/tiny_cpu.yaml")
-    a, b = predicted_mb(cfg, 8), predicted_mb(cfg, 16)
+    a, b = planner_need_mb(cfg, 8), planner_need_mb(cfg, 16)
     assert b["weights"] == a["weights"] and b["optimizer"] == a["optimizer"]
     assert b["activations"] == pytest.approx(2 * a["activations"], rel=0.01)
 

@@ -1,5 +1,5 @@
-"""Notebook 08's helpers that join layers: the planner's memory need for a CPU training run, and the out-of-memory
-probe that quotes it (labkit.training.monitor runs and classifies; the planner lives above the trainer's layer)."""
+"""Notebook 08's helpers that join layers: the out-of-memory probe that quotes the planner's memory need
+(`labkit.training.oom.planner_need_mb`; labkit.training.monitor runs and classifies), and the activation lab."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,16 +7,7 @@ from functools import partial
 from labkit.config import load_run_config
 from labkit.parallel.memory import memory_breakdown
 from labkit.training.monitor import train_capped
-
-
-def predicted_mb(cfg, micro_batch: int) -> dict:
-    """The planner's memory model for this run config on one CPU process (fp32, no flash attention, no fused
-    norm), MB by part. It leaves out the framework's own overhead (graph compile, allocator pools, libraries)."""
-    t = cfg.train
-    parts = memory_breakdown(cfg.model_config(), seq_len=cfg.data.seq_len, micro_batch=micro_batch, accum=t.accum,
-                             recompute="full" if t.recompute == "all" else "none", precision="fp32",
-                             flash_attention=False, fused_norm=False)
-    return {k: round(v * 1024, 1) for k, v in parts.items() if k not in ("stage", "params")}
+from labkit.training.oom import planner_need_mb
 
 
 def oom_probe(config: str, limit_mb: float, sets: list[str] | tuple = ()):
@@ -26,7 +17,7 @@ def oom_probe(config: str, limit_mb: float, sets: list[str] | tuple = ()):
 
 
 def _probe(config, limit_mb, sets, cfg, micro_batch: int) -> dict:
-    return train_capped(config, micro_batch, limit_mb, sets, predict=partial(predicted_mb, cfg))
+    return train_capped(config, micro_batch, limit_mb, sets, predict=partial(planner_need_mb, cfg))
 
 
 # ---------------------------------------------------------------- lab 5: activation memory against sequence length
@@ -44,8 +35,7 @@ def planner_activations_mb(cfg, seq_len: int, micro_batch: int) -> float:
     """The planner's activations of one micro-batch on this CPU (fp32, no flash attention, unfused RMSNorm and
     SiLU), MiB: what MindSpore's memory pool holds at the end of the forward pass, its peak; weights are
     Parameters, outside the pool."""
-    from labkit.parallel.memory import memory_breakdown
-
+    
     return memory_breakdown(cfg, seq_len=seq_len, micro_batch=micro_batch, precision="fp32", flash_attention=False,
                             fused_norm=False, fused_silu=False)["activations"] * 1024  # GiB -> MiB
 

@@ -335,7 +335,7 @@ def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str]
                  timeout: float = 1800, predict=None) -> dict:
     """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended, when (compiling
     or running, `death_phase`) and why. `predict(micro_batch)` gives a memory model's need by part in MB (e.g. the
-    planner's, see `labkit.course.troubleshoot.predicted_mb`); the report quotes it."""
+    planner's, `labkit.training.oom.planner_need_mb`); the report quotes it."""
     from labkit.config import load_run_config
     from labkit.training.metrics import read_metrics
 
