@@ -20,7 +20,7 @@ from pathlib import Path
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
 # the folder layout (checkpoints/step_NNNNNN with state.json + state.ckpt) lives with the other formats
-from labkit.weights.formats import checkpoint_dir, latest, list_checkpoints, step_of  # noqa: F401
+from labkit.weights.formats import checkpoint_dir, latest, list_checkpoints, step_of, weights_file  # noqa: F401
 
 KIND = "full"
 HASH_LIMIT = 2 * 2**30  # state.ckpt files above this get a size check only (hashing 80 GB would take minutes)
@@ -146,11 +146,10 @@ def load_weights(path: str | Path) -> dict:
     """Model weights from a converted directory (`model.ckpt`), a full checkpoint folder or a `.ckpt` file."""
     import mindspore as ms
 
-    path = Path(path)
-    for candidate in (path, path / "model.ckpt", path / "state.ckpt"):
-        if candidate.is_file():
-            params = ms.load_checkpoint(str(candidate))
-            return {k: v for k, v in params.items() if not k.startswith(("adam_", "loss_scale.", "global_step",
-                                                                           "learning_rate"))}
+    found = weights_file(path)
+    if found is not None:
+        params = ms.load_checkpoint(str(found))
+        return {k: v for k, v in params.items() if not k.startswith(("adam_", "loss_scale.", "global_step",
+                                                                       "learning_rate"))}
     raise LabkitError(f"init_checkpoint {path} not found",
                       "give a `labkit convert hf2ms` output folder, a checkpoint folder or a .ckpt file")
