@@ -18,7 +18,7 @@ Pipeline layouts run `labkit.training.pipeline` for step 3."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.model import scratch
 from labkit.parallel.collectives import Group, SequenceParallel, TensorParallel, nbytes
+from labkit.training.schedule import lr_at
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -80,6 +81,8 @@ def stage_shard(cfg: ModelConfig, layout: Layout, rank: int) -> scratch.Shard:
 
 @dataclass(frozen=True)
 class Optim:
+    """The tiny CPU config's optimizer (configs/tiny_cpu.yaml), its warmup and decay shortened for runs of a few
+    steps; `lr_at` reads lr, min_lr, warmup_steps and decay_steps from it as from a TrainConfig."""
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 2
@@ -99,12 +102,6 @@ def adamw(p, g, m, v, lr: float, wd, o: Optim):
     m = o.beta1 * m + (1.0 - o.beta1) * g
     v = o.beta2 * v + (1.0 - o.beta2) * ops.square(g)
     return p - lr * (m / (ops.sqrt(v) + o.eps) + wd * p), m, v
-
-
-def lr_at(step: int, o: Optim) -> float:
-    from labkit.training.schedule import lr_at as schedule
-
-    return schedule(step, o)
 
 
 # ------------------------------------------------------------------------------------------ one worker's state
@@ -258,6 +255,3 @@ class Flat:
             at += n
         return out
 
-
-def layout_dict(layout: Layout) -> dict:
-    return asdict(layout)
