@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
 from labkit.model import scratch
@@ -40,6 +41,7 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
     ("auto"), always ("run"), or never ("cached": an error when there is none)."""
     if mode not in MODES:
         raise LabkitError(f"mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
+    ensure_dataset(layouts.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
     for workers in sorted(layouts.LAYOUTS):
         folder = root / f"workers{workers}"
         if mode == "auto" and _fresh(folder) or mode == "cached":
@@ -50,7 +52,7 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         expected = [lay.name for lay in layouts.LAYOUTS[workers]]
-        run_workers([str(Path(layouts.__file__).resolve()), "worker", str(folder)], workers, folder,
+        run_workers(["python", "-m", layouts.__name__, "worker", str(folder)], workers, folder,
                     what=f"the {workers}-worker parallel layouts", timeout=timeout,
                     expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
         (folder / "DONE").write_text("")

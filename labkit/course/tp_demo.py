@@ -164,7 +164,7 @@ def run_tp_demo(workers: int = 2, *, output_dir: str | os.PathLike | None = None
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank_*.json"), *out.glob("mlp_rank*.npz")]:
         old.unlink()
-    task = [str(Path(__file__).resolve()), "worker", str(out)] + ([str(Path(mlp).resolve())] if mlp else [])
+    task = ["python", "-m", "labkit.course.tp_demo", "worker", str(out)] + ([str(Path(mlp).resolve())] if mlp else [])
     run = run_workers(task, workers, out, what="the tensor-parallel demo", timeout=timeout,
                       expect=lambda: len(list(out.glob("rank_*.json"))) == workers)
     results = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
@@ -284,7 +284,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # run as a script by msrun: keep labkit/ itself off the import path (its module names are generic)
-    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-        sys.path.pop(0)
     sys.exit(_main(sys.argv[1:]))

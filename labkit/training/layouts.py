@@ -1,9 +1,12 @@
 """Every parallel layout of the course, trained for a few steps in one msrun launch per worker count, and the
 single-card reference they must equal.
 
-    msrun --worker_num=2 ... labkit/training/layouts.py worker OUT   (every layout of 2 workers in turn, then the
-                                                                       references: float32 on rank 0, float64 on 1)
-    python -m labkit.training.layouts reference OUT --dtype float64    (a reference alone)
+    msrun --worker_num=2 ... python -m labkit.training.layouts worker OUT   (every layout of 2 workers in turn,
+                                                       then the references: float32 on rank 0, float64 on 1)
+    python -m labkit.training.layouts reference OUT --dtype float64       (a reference alone)
+
+Started as a module, never as a script: a script's folder goes first on the import path, and this folder's
+profile.py would hide the standard library's (which transformers imports).
 
 A launch pays MindSpore's start-up once and runs its layouts one after the other; each writes, per rank,
 OUT/<layout>/rank<r>.json (losses, grad norms, bytes held and sent, the pipeline's timeline) and
