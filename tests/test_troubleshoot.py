@@ -53,7 +53,8 @@ def test_account_lines_up_the_two_frameworks_group_by_group():
 
 def test_torch_groups_cover_a_real_training_step():
     """A real torch.profiler run of a small training step (linear layers, SiLU, cross-entropy, clipping, AdamW):
-    the names the profiler reports must fall into the groups, or the account would put them all in "other"."""
+    every name the profiler reports falls into a group, or the account would put it in "other". Which names appear
+    is fixed by the step's code, not by how fast it ran, so the check is on names, not on time shares."""
     import torch
 
     from labkit.training.profile import op_groups, profile_torch, torch_group
@@ -74,4 +75,6 @@ def test_torch_groups_cover_a_real_training_step():
     prof = profile_torch(step, steps=3)
     rows = {r["group"]: r for r in op_groups(prof["times_ms"], prof["steps"], torch_group)}
     assert rows["matmul"]["ms_per_step"] > 0
-    assert rows.get("other", {"share": 0.0})["share"] < 0.2, rows.get("other")
+    assert {"optimizer", "reduction / softmax / loss", "element-wise"} <= set(rows)
+    unnamed = [op for op in prof["times_ms"] if torch_group(op) == "other"]
+    assert not unnamed, f"operators in no group: {unnamed}"

@@ -57,16 +57,21 @@ TORCH_OP_GROUPS = {
                   "_foreach_div", "_foreach_add", "_foreach_norm", "_foreach_sub", "_foreach_neg"),
     "reduction / softmax / loss": ("sum", "mean", "max", "amax", "norm", "linalg_vector_norm", "_log_softmax",
                                    "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
-                                   "nll_loss2d_forward", "_softmax", "_softmax_backward_data", "logsumexp"),
+                                   "nll_loss2d_forward", "_softmax", "_softmax_backward_data", "logsumexp",
+                                   "cross_entropy_loss", "log_softmax", "nll_loss", "nll_loss_nd"),
     "data movement": ("copy_", "cat", "index", "index_select", "embedding_dense_backward", "transpose", "clone",
                       "_to_copy", "to", "contiguous", "fill_", "zero_", "empty", "empty_strided", "slice",
                       "select", "expand", "view", "reshape", "as_strided", "stack", "index_put_", "scatter_add_",
-                      "_unsafe_view", "t", "permute", "unsqueeze", "squeeze", "masked_fill", "masked_fill_"),
+                      "_unsafe_view", "t", "permute", "unsqueeze", "squeeze", "masked_fill", "masked_fill_",
+                      "detach", "ones_like", "empty_like", "zeros_like", "resolve_conj", "resolve_neg"),
     "element-wise": ("mul", "mul_", "add", "add_", "sub", "sub_", "div", "div_", "neg", "pow", "rsqrt", "sqrt",
                      "exp", "silu", "silu_backward", "sigmoid", "cos", "sin", "reciprocal", "clamp", "clamp_min",
                      "where", "lt", "gt", "eq", "ne", "ge", "le", "abs", "mul_scalar", "lerp_", "addcmul_",
                      "addcdiv_", "tanh", "pow_", "sqrt_", "minimum", "maximum"),
 }
+
+
+AUTOGRAD = "autograd bookkeeping"
 
 
 def mindspore_group(op: str) -> str:
@@ -76,6 +81,8 @@ def mindspore_group(op: str) -> str:
 def torch_group(op: str) -> str:
     if op.startswith("Optimizer."):  # anything run inside optimizer.step() / zero_grad() (see profile_torch)
         return "optimizer"
+    if op.startswith("autograd::") or op.endswith(("Backward0", "Backward1", "AccumulateGrad")):
+        return AUTOGRAD  # eager PyTorch walks its tape at run time; MindSpore compiles the backward into the graph
     return _TORCH_OF.get(op.split("::", 1)[-1], "other")
 
 
