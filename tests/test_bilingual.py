@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from labkit.paths import NOTEBOOKS
+from labkit.course.runner import course_notebooks
 
 CJK = re.compile(r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]")
 WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
@@ -100,7 +100,7 @@ def test_the_rule_can_fail():
     assert bilingual_problems(cell("## 结论 / Verdict\n| 说法 / claim |\n| 只有中文 |"))
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(course_notebooks()), ids=lambda p: p.stem)
 def test_markdown_cells_are_bilingual(path):
     problems = bilingual_problems(json.loads(path.read_text(encoding="utf-8")))
     assert not problems, f"{path.name}: markdown cells without both languages:\n" + "\n".join(problems)

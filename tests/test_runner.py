@@ -41,6 +41,20 @@ def test_only_selects_by_number_or_name(books):
     assert "--only 09" in e.value.what and "00, 01, 02, 03" in e.value.fix
 
 
+def test_a_notebook_in_parts_is_selected_by_its_number_or_part(tmp_path, monkeypatch):
+    for name in ("05_dp", "06a_tp", "06b_pp", "07_run"):
+        notebook(tmp_path / f"{name}.ipynb", None, "x = 1")
+    (tmp_path / "notes.ipynb").write_text("{}")  # not a course notebook: no number
+    monkeypatch.setattr(runner, "NOTEBOOKS", tmp_path)
+    names = lambda only: [p.name[:3] for p in runner.course_notebooks(only)]  # noqa: E731
+    assert names(None) == ["05_", "06a", "06b", "07_"]
+    assert names(["6"]) == names(["06"]) == ["06a", "06b"]
+    assert names(["06b", "5"]) == ["05_", "06b"]
+    with pytest.raises(LabkitError) as e:
+        runner.course_notebooks(["06c"])
+    assert "05, 06a, 06b, 07" in e.value.fix
+
+
 def test_params_file_must_be_flat(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text("steps: 3\ntrain: {lr: 1}\n")

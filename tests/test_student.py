@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from labkit.course import nb as nb_module
+from labkit.course.runner import course_notebooks
 from labkit.course.student import CHECK_TAG, SOLUTION_TAG, student_notebook, tags
 from labkit.errors import LabkitError
 from labkit.paths import NOTEBOOKS
@@ -59,7 +60,7 @@ def test_student_copies_of_the_course(tmp_path, monkeypatch):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    originals = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    originals = sorted(course_notebooks())
     assert sorted(report["notebooks"]) == [p.name for p in originals]
     monkeypatch.delenv(nb_module.STRICT_EXERCISES_ENV, raising=False)
     for original in originals:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -62,17 +63,26 @@ def reading_minutes(notebook: Path) -> float:
     return round(prose + code / READING_RATE["code_lines"], 1)
 
 
+COURSE_NAME = re.compile(r"(\d\d)([a-z]?)_\w+\.ipynb")  # 04_single_card, 06a_...: a number, a part letter, a name
+
+
+def _selects(key: str, name: str) -> bool:
+    """"6" or "06" selects every part of notebook 06, "06b" that part."""
+    wanted, have = re.fullmatch(r"(\d+)([a-z]?)", key), COURSE_NAME.fullmatch(name)
+    return bool(wanted) and wanted[1].zfill(2) == have[1] and wanted[2] in ("", have[2])
+
+
 def course_notebooks(only: list[str] | None = None) -> list[Path]:
-    """The notebooks in order; `only` selects by number prefix ("04") or name."""
-    books = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    """The notebooks in order; `only` selects by number ("04", "6": every part of 06) or part ("06a") or name."""
+    books = sorted(p for p in NOTEBOOKS.glob("*.ipynb") if COURSE_NAME.fullmatch(p.name))
     if not only:
         return books
     picked = []
     for key in only:
-        match = [p for p in books if p.name.startswith(key.zfill(2) + "_") or p.stem == key or p.name == key]
+        match = [p for p in books if p.stem == key or p.name == key or _selects(key, p.name)]
         if not match:
             raise LabkitError(f"--only {key}: no notebook matches",
-                              f"choose from {', '.join(p.name[:2] for p in books)}")
+                              f"choose from {', '.join(p.name.split('_')[0] for p in books)}")
         picked += [m for m in match if m not in picked]
     return sorted(picked)
 
