@@ -12,6 +12,7 @@ factor 2 for the maximum over elements of a second, independent rounding pattern
 ulps (the loss is summed over workers in float32)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 from pathlib import Path
@@ -41,7 +42,9 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
     ("auto"), always ("run"), or never ("cached": an error when there is none)."""
     if mode not in MODES:
         raise LabkitError(f"mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
-    ensure_dataset(layouts.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
+    if mode != "cached":
+        ensure_dataset(layouts.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
+    root.mkdir(parents=True, exist_ok=True)
     for workers in sorted(layouts.LAYOUTS):
         folder = root / f"workers{workers}"
         if mode == "auto" and _fresh(folder) or mode == "cached":
@@ -49,13 +52,18 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
                 raise LabkitError(f"no fresh results of the {workers}-worker layouts in {folder}",
                                   "run parallel_runs('run') (about a minute per worker count)")
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        expected = [lay.name for lay in layouts.LAYOUTS[workers]]
-        run_workers(["python", "-m", layouts.__name__, "worker", str(folder)], workers, folder,
-                    what=f"the {workers}-worker parallel layouts", timeout=timeout,
-                    expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
-        (folder / "DONE").write_text("")
+        # a notebook and a test may ask at once: one launches while the other waits, then reads its results
+        with open(root / f".lock-workers{workers}", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+            if mode == "auto" and _fresh(folder):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            expected = [lay.name for lay in layouts.LAYOUTS[workers]]
+            run_workers(["python", "-m", layouts.__name__, "worker", str(folder)], workers, folder,
+                        what=f"the {workers}-worker parallel layouts", timeout=timeout,
+                        expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
+            (folder / "DONE").write_text("")
     return root
 
 
