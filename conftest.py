@@ -22,15 +22,15 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     "tests/test_layouts.py",  # ~130: two msrun launches (2 and 4 workers) running every parallel layout
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
-    "notebooks/06_auto_parallel.ipynb",  # 91
+    "notebooks/06b_pipeline_zero_planner.ipynb",  # ~90 (the calibration; the parallel runs are test_layouts')
     "tests/test_eval.py",  # 67
+    "notebooks/06a_tensor_parallel.ipynb",  # ~20 after test_layouts (listed earlier) launched the parallel runs
     "notebooks/07_pretrain.ipynb",  # 60
     "notebooks/02_tokenizer_alignment.ipynb",  # 50
     "tests/test_train.py",  # 48
     "notebooks/00_environment.ipynb",  # 40
     "notebooks/03_data_pipeline.ipynb",  # 40
     "tests/test_kernels.py",  # 38
-    "tests/test_tp_demo.py",  # 27
 )
 
 
