@@ -92,7 +92,7 @@ class Parallel:
 
 
 LOOPBACK_FIX = ("give node 0's address on a network every node reaches; to try several nodes on one machine, put "
-                "each in its own network namespace joined by a veth pair (README, cluster section)")
+                "each in its own network namespace joined by a veth pair (docs/multinode.md)")
 
 
 def check_layout(workers: int, nodes: int, node_rank: int, master_addr: str | None,
