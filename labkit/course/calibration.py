@@ -70,7 +70,7 @@ def calibration(mode: str = "auto", *, cache: Path = CACHE, cwd: Path | None = N
     if mode not in MODES:
         raise LabkitError(f"calibration mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
     if mode == "skip":
-        return None, "calibration skipped"
+        return None, "calibration skipped (calibration = \"skip\"): nothing measured, nothing compared"
     if mode == "run" or (mode == "auto" and not is_fresh(cache)):
         t0 = time.time()
         return measure(cwd), f"measured now ({time.time() - t0:.0f} s; the cache was missing or older than its sources)"
