@@ -1,6 +1,7 @@
 """`labkit run` on small throwaway notebooks: parameters go only where declared, --only, --keep-going, a failing
 notebook reported by file and cell, figures on the summary page."""
 import json
+import re
 
 import nbformat
 import pytest
@@ -118,3 +119,18 @@ def test_reading_time_counts_one_language_and_the_code(tmp_path):
     path = tmp_path / "nb.ipynb"
     path.write_text(json.dumps(book), encoding="utf-8")
     assert reading_minutes(path) == 4.0
+
+
+def test_every_notebook_and_the_course_map_state_its_reading_time():
+    """Each notebook's header and the README's course map give the reading time the course's own estimate
+    computes (to the minute), so a notebook that grows or shrinks cannot keep an old figure."""
+    from labkit.paths import ROOT
+
+    course_map = (ROOT / "README.md").read_text(encoding="utf-8")
+    for path in runner.course_notebooks():
+        expected = round(runner.reading_minutes(path))
+        header = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+        stated = re.search(r"\*\*阅读 / Reading\*\*：约 (\d+) 分钟", header)
+        assert stated and int(stated[1]) == expected, f"{path.name}: header says {stated and stated[1]}, estimate {expected}"
+        row = re.search(rf"\| `{path.stem}` \|.*\| ~(\d+) min \|", course_map)
+        assert row and int(row[1]) == expected, f"README course map: {path.stem} {row and row[1]}, estimate {expected}"
