@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -100,8 +101,8 @@ def tolerances(root: Path) -> dict:
 
 
 def compare(root: Path | None = None) -> dict:
-    """Per layout: the largest loss and final-weight differences from the float32 single-card run, the tolerances,
-    and what each worker held and sent."""
+    """Per layout: its settings, the largest loss and final-weight differences from the float32 single-card run,
+    whether both are within the tolerances, and what each worker held and sent."""
     root = root or parallel_runs("cached")
     tol = tolerances(root)
     ref = load(root, "single_float32")[0]
@@ -111,11 +112,12 @@ def compare(root: Path | None = None) -> dict:
             rows = load(root, lay.name)
             full = gathered(rows)
             last = rows[-1]  # the last stage's (or any worker's) losses: every worker reports the global loss
+            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
+            weight_diff = max(float(np.abs(full[k] - ref["weights"][k]).max()) for k in ref["weights"])
             out[lay.name] = {
-                "workers": workers,
-                "loss_diff": max(abs(a - b) for a, b in zip(last["losses"], ref["losses"])),
-                "weight_diff": max(float(np.abs(full[k] - ref["weights"][k]).max()) for k in ref["weights"]),
+                "workers": workers, "layout": asdict(lay), "loss_diff": loss_diff, "weight_diff": weight_diff,
                 "same_names": sorted(full) == sorted(ref["weights"]),
+                "equal": loss_diff <= tol["loss"] and weight_diff <= tol["weight"],
                 "per_worker": [{k: r[k] for k in ("rank", "place", "held", "sent_bytes", "ideal_sent_bytes",
                                                   "io_bytes", "traffic", "pipeline", "seconds")} for r in rows]}
     return {"tolerance": tol, "reference": {k: ref[k] for k in ("losses", "grad_norms", "held")}, "layouts": out}
@@ -161,8 +163,8 @@ def against_planner(result: dict) -> list[dict]:
     """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left."""
     rows = []
     for name, row in result["layouts"].items():
+        lay = row["layout"]
         for w in row["per_worker"]:
-            lay = w["layout"] if "layout" in w else _layout_of(name)
             stage = "only" if lay["pp"] == 1 else ("first", "last")[w["place"][1]]
             plan, why = planner_lines(lay, stage), explained(lay, stage)
             for term in ("params", "grads", "optimizer"):
@@ -171,12 +173,6 @@ def against_planner(result: dict) -> list[dict]:
                              "planner": plan[term], "explained": why.get(term, 0.0),
                              "unexplained": measured - plan[term] - why.get(term, 0.0)})
     return rows
-
-
-def _layout_of(name: str) -> dict:
-    from dataclasses import asdict
-
-    return next(asdict(lay) for n in layouts.LAYOUTS for lay in layouts.LAYOUTS[n] if lay.name == name)
 
 
 MAIN_OPS = {"tp": ("tp_all_reduce_fwd", "tp_all_reduce_bwd"),
@@ -221,8 +217,7 @@ def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:
     rows, steps = [], settings["steps"]
     for name, row in result["layouts"].items():
         for w in row["per_worker"]:
-            lay = _layout_of(name)
-            book = textbook_bytes(lay, w["place"][1], settings)
+            book = textbook_bytes(row["layout"], w["place"][1], settings)
             for dim, expect in book.items():
                 ops = [w["traffic"][k] for k in MAIN_OPS[dim] if k in w["traffic"]]
                 rows.append({"layout": name, "rank": w["rank"], "dimension": dim, "textbook": expect,
@@ -255,9 +250,9 @@ def evidence(strategy: dict, root: Path = CACHE) -> list[dict]:
     for key, used, layout, where in EVIDENCE:
         row = {"mindformers parallel_config": key, "used": used(strategy), "shown by": f"{layout} (notebook {where})"}
         if result:
-            r, tol = result["layouts"][layout], result["tolerance"]
+            r = result["layouts"][layout]
             row.update({"max |loss - one card|": r["loss_diff"], "max |weight - one card|": r["weight_diff"],
-                        "equal to one card": r["loss_diff"] <= tol["loss"] and r["weight_diff"] <= tol["weight"]})
+                        "equal to one card": r["equal"]})
         else:
             row["equal to one card"] = missing
         rows.append(row)
