@@ -9,7 +9,9 @@ two-test file of three minutes (test_multinode.py) last, running alone while the
 `alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
-import labkit  # noqa: F401  first, before any test module imports MindSpore: labkit/__init__.py sets its launch mode
+from labkit.runtime import prepare_process
+
+prepare_process("CPU")  # the suite runs on CPU; before any test module imports MindSpore (labkit/runtime.py)
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
     "notebooks/04_single_card.ipynb",  # 252

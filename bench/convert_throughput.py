@@ -212,4 +212,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

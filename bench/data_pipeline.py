@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("GLOG_v", "3")
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -71,4 +69,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("GLOG_v", "3")
 
 
 def main(argv=None) -> int:
@@ -82,4 +81,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

@@ -132,4 +132,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

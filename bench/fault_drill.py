@@ -336,4 +336,7 @@ def _cpu() -> str:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

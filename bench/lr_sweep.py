@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("GLOG_v", "3")
 
 
 def one_run(config: str, out: Path, steps: int, lr: float, warmup: int, init_std: float | None) -> dict:
@@ -83,4 +81,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

@@ -245,7 +245,6 @@ def main(argv=None) -> int:
     from labkit.training.metrics import POOL_STATS_ENV
 
     os.environ.update(POOL_STATS_ENV)
-    os.environ.setdefault("GLOG_v", "3")
     from labkit.logs import quiet_mindformers
     from labkit.paths import RUNS
     from labkit.io import atomic_write_text
@@ -345,4 +344,7 @@ def _ensure(p: Path) -> Path:
 
 
 if __name__ == "__main__":
+    from labkit.runtime import prepare_process
+
+    prepare_process("CPU")  # before anything imports MindSpore
     sys.exit(main())

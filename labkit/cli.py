@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from labkit.errors import LabkitError
 from labkit.output import run
+from labkit.runtime import prepare_process
+from labkit.training.trainer import device_target_of
 
 COMMANDS = {
     "doctor": ("labkit.doctor.env", "check versions, devices and model registries"),
@@ -59,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    whole_process = argv is None and "transformers" not in sys.modules
-    if whole_process and (args.command, getattr(args, "action", None)) in TORCH_FREE:
-        os.environ.setdefault("USE_TORCH", "0")  # transformers reads it at import
+    if argv is None:  # a process of its own (a caller of main([...]) prepared its process itself)
+        # `labkit train`: its config's device target; the other commands use MindSpore, if at all, on the CPU
+        target = device_target_of(args) if args.command == "train" else "CPU"
+        torch_free = (args.command, getattr(args, "action", None)) in TORCH_FREE and "transformers" not in sys.modules
+        prepare_process(target, torch=not torch_free)
     return run(args)
 
 

@@ -4,22 +4,37 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
+import io
 import logging
-import os
+import re
 import sys
 import types
 
-from labkit.paths import RUNS
+
+
+# mindformers names its logger after its log folder ("mindformers/<checkout>/runs/logs/mindformers"), and its console
+# format prints that name on every line; the console here says "mindformers" and the level (the files keep theirs).
+CONSOLE_FORMAT = "%(asctime)s mindformers %(levelname)s [%(filename)s:%(lineno)d] %(message)s"
+# Importing mindformers imports its PyNative DeepSeek-V3 and Qwen3 classes, which need the `hyper_parallel` package
+# (not a dependency of mindformers, not on PyPI): each logs a WARNING on every import. The lab's model is the
+# graph-mode Llama, which does not use them: these lines stay in mindformers' log files, not on the console.
+IMPORT_NOISE = re.compile(r"Import PyNative\w+ failed: No module named 'hyper_parallel'")
+
+
+def _console_handlers():
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
+        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
+            yield from (h for h in lg.handlers
+                        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler))
 
 
 def quiet_mindformers_console() -> None:
-    """Keep mindformers' console handlers to errors (its log files still get everything). Its loggers exist only
-    after it is imported, and some of its modules add handlers when first imported: call again after those."""
-    for name, lg in list(logging.Logger.manager.loggerDict.items()):  # named "mindformers<log dir>"
-        if name.startswith("mindformers") and isinstance(lg, logging.Logger):
-            for h in lg.handlers:
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                    h.setLevel(logging.ERROR)
+    """Keep mindformers' console handlers to errors, in a short format (its log files still get everything). Its
+    loggers exist only after it is imported, and some of its modules add handlers when first imported: call again
+    after those."""
+    for h in _console_handlers():
+        h.setLevel(logging.ERROR)
+        h.setFormatter(logging.Formatter(CONSOLE_FORMAT))
 
 
 # Imported by mindformers' package __init__ but never called by the lab: HF `datasets` (its HF dataloader) and
@@ -92,16 +107,22 @@ def _unused_imports_deferred():
             del sys.modules["torch"]
 
 
-def quiet_mindformers(log_dir: str | os.PathLike | None = None) -> None:
-    """Send mindformers' file logs under runs/ instead of ./output and keep its console to errors.
+def quiet_mindformers() -> None:
+    """Import mindformers with its console kept to errors (where its file logs go, and MindSpore's log level, are
+    process settings: `labkit.runtime.prepare_process`, called first by every entry point).
 
-    mindformers logs INFO lines to stdout through handlers bound when it is first imported, so the import happens
-    here, once, with stdout pointed at stderr."""
-    os.environ.setdefault("GLOG_v", "3")
-    os.environ.setdefault("LOG_MF_PATH", str(log_dir or RUNS / "logs" / "mindformers"))
+    mindformers logs to stdout through handlers bound when it is first imported, so the import happens here, once,
+    with stdout captured; its console handlers then write to stderr, where the captured lines go too, without the
+    import warnings of IMPORT_NOISE."""
     if "mindformers" in sys.modules and getattr(quiet_mindformers, "done", False):
         return
-    with contextlib.redirect_stdout(sys.stderr), _unused_imports_deferred():
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured), _unused_imports_deferred():
         import mindformers  # noqa: F401
+    for h in _console_handlers():
+        if h.stream is captured:
+            h.setStream(sys.stderr)
+    sys.stderr.write("".join(line for line in captured.getvalue().splitlines(keepends=True)
+                             if not IMPORT_NOISE.search(line)))
     quiet_mindformers_console()
     quiet_mindformers.done = True

@@ -3,7 +3,7 @@
 Layers, bottom to top; a module imports only from its own layer or below, and the packages that share a layer
 (weights, data, parallel) do not import each other:
 
-    base       errors paths io output logs
+    base       errors paths io output logs runtime
     config     config
     model      model/
     domain     weights/  data/  parallel/
@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 LAYERS = [
-    ("base", ["errors", "paths", "io", "output", "logs"]),
+    ("base", ["errors", "paths", "io", "output", "logs", "runtime"]),
     ("config", ["config"]),
     ("model", ["model"]),
     ("domain", ["weights", "data", "parallel"]),

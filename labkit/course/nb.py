@@ -7,17 +7,17 @@ from pathlib import Path
 
 from labkit.course.runner import FIGURES_ENV, STRICT_EXERCISES_ENV
 from labkit.paths import RUNS
+from labkit.runtime import prepare_process
 
 
-def setup(name: str, output_dir: str | os.PathLike | None = None) -> Path:
-    """Quiet MindSpore/mindformers (logs go under the run folder), make and return the run folder.
+def setup(name: str, output_dir: str | os.PathLike | None = None, device_target: str = "CPU") -> Path:
+    """Prepare the kernel's process for `device_target` (labkit.runtime: quiet logs, MindSpore's launch mode; call
+    it before importing MindSpore), make and return the run folder.
 
     `output_dir=None` gives runs/notebooks/<name> under the lab root, whatever the working directory."""
+    prepare_process(device_target)
     run_dir = Path(output_dir) if output_dir else RUNS / "notebooks" / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("GLOG_v", "3")
-    os.environ.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
-    os.environ.setdefault("TQDM_MININTERVAL", "5")
     return run_dir
 
 

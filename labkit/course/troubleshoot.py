@@ -6,6 +6,7 @@ from functools import partial
 
 from labkit.config import load_run_config
 from labkit.parallel.memory import memory_breakdown
+from labkit.runtime import prepare_process, process_env
 from labkit.training.monitor import train_capped
 from labkit.training.oom import planner_need_mb
 
@@ -54,7 +55,7 @@ def seq_memory(seqs=(64, 128, 256), micro_batch: int = 8, preset: str = "tiny", 
     from labkit.training.metrics import POOL_STATS_ENV
 
     spec = {"seqs": list(seqs), "micro_batch": micro_batch, "preset": preset, "steps": steps}
-    env = {**os.environ, "GLOG_v": "3", **POOL_STATS_ENV}
+    env = {**process_env("CPU"), **os.environ, **POOL_STATS_ENV}
     p = subprocess.run([sys.executable, "-m", "labkit.course.troubleshoot", json.dumps(spec)], capture_output=True,
                        text=True, timeout=timeout, env=env)
     lines = [line[len(_MARK):] for line in p.stdout.splitlines() if line.startswith(_MARK)]
@@ -129,4 +130,5 @@ if __name__ == "__main__":
     import json as _json
     import sys as _sys
 
+    prepare_process("CPU")
     _seq_memory_main(_json.loads(_sys.argv[1]))

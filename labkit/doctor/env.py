@@ -21,6 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from labkit.paths import CONFIGS, GPU_DEVICE_FILES, NPU_DEVICE_FILES, ROOT, RUNS
+from labkit.runtime import import_order_warning
 from labkit.parallel.devices import cpu_matrix_isa
 from labkit.doctor.registries import check_model_dirs, hf_registry, mf_registry, read_model_dir, shadowed_registrations
 from labkit.doctor.registries import issue
@@ -314,6 +315,8 @@ def doctor(model_dirs: list[str] | tuple = (), *, devices: bool = True, registri
                "mindformers": mf and {k: mf[k] for k in ("version", "auto_config_model_types", "config_classes",
                                                          "registered")} | {"model_types": sorted(mf["model_types"])},
                "in_both": both, "model_dirs": dirs}
+    late = import_order_warning()  # this process (a notebook's kernel) imported MindSpore before it was prepared
+    warnings += [late] if late else []
     caches, logs = cache_and_log_dirs()
     return {**facts["versions"], "device_targets": [t for t in TARGETS if facts["devices"][t]["works"]],
             "compatible": compatible, "problems": problems, "warnings": warnings, "ok": not problems,

@@ -4,26 +4,27 @@ nothing, ~6 s of CPU per launch). Also the launcher's guard process and the all-
 An entry point like cli.py: it dispatches and holds no logic of its own."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
+from labkit.runtime import prepare_process
+
 
 def task(argv: list[str]) -> int:
-    if os.environ.get("MS_ROLE") == "MS_SCHED":
-        os.environ.setdefault("GLOG_v", "3")
-        from mindspore.communication import init
-
-        init()  # the scheduler serves the workers until they finish
-        return 0
-    import argparse
-
-    from labkit.output import run
-    from labkit.training.trainer import add_cli
+    from labkit.output import run  # here, not at the top: the guard process imports this module and needs neither
+    from labkit.training.trainer import add_cli, device_target_of
 
     parser = argparse.ArgumentParser(prog="labkit train")
     add_cli(parser)
     args = parser.parse_args(argv)
     args.command = "train"
+    prepare_process(device_target_of(args))  # the launcher's job env already holds these; a value set wins
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        from mindspore.communication import init
+
+        init()  # the scheduler serves the workers until they finish
+        return 0
     return run(args)
 
 
@@ -37,6 +38,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["probe"]:
         from labkit.launch.probe import probe_worker
 
+        prepare_process("CPU")  # the all-reduce probe measures the CPU backend
         probe_worker(sys.argv[2])
     else:
         sys.exit("usage: python -m labkit.launch train ARGS | guard PARENT_PID ROOT_PID | probe SPEC.json")

@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from labkit.runtime import process_env
 from labkit.training.metrics import read_metrics
 from labkit.training.fault import Fault, check_fault
 from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
@@ -177,14 +178,10 @@ def write_files(pl: PreparedLaunch, overwrite: bool, fault: Fault | None = None)
                        command=tuple(command(pl, config_file, logs) + fault_args(fault)))
 
 
-def job_env(logs: Path) -> dict:
-    """The workers' environment: no inherited cluster variables, quiet logs, the caller's python first on PATH."""
-    from labkit.paths import RUNS
-
-    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}
-    env.setdefault("GLOG_v", "3")  # quiet MindSpore; mindformers' file logs go under runs/, not ./output
-    env.setdefault("LOG_MF_PATH", str(RUNS / "logs" / "mindformers"))
-    env.setdefault("TQDM_MININTERVAL", "5")
+def job_env(logs: Path, device_target: str) -> dict:
+    """The workers' environment: no inherited cluster variables, the process settings of the run's device target
+    (labkit.runtime; what the caller set wins), the caller's python first on PATH."""
+    env = {**process_env(device_target), **{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}}
     env.setdefault("MS_OM_PATH", str(logs))  # a failed graph compile writes rank_N/om/analyze_fail.ir here, not ./
     return python_on_path(env, logs / ".bin")
 
@@ -194,7 +191,8 @@ def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None, fault: 
     single = pl.total == 1
     started = time.perf_counter()
     sink = open(files.logs / ("worker_0.log" if single else "msrun.log"), "w", encoding="utf-8")
-    root = subprocess.Popen(list(files.command), env=job_env(files.logs), stdin=subprocess.DEVNULL, stdout=sink,
+    env = job_env(files.logs, pl.cfg.parallel.device_target)
+    root = subprocess.Popen(list(files.command), env=env, stdin=subprocess.DEVNULL, stdout=sink,
                             stderr=subprocess.STDOUT, start_new_session=True)
     sink.close()
     try:

@@ -94,7 +94,6 @@ def _libraries_mentioning(libs: list[Path], name: str) -> list[str]:
 
 def probe_worker(spec_file: str) -> None:
     """`python -m labkit.launch probe SPEC` under msrun: rank 0 writes the timings named in SPEC."""
-    os.environ.setdefault("GLOG_v", "3")
     spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
     rank, size, align = _join_cluster()
     by_dtype = {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -120,7 +119,6 @@ def measure_gemm_peak(n: int = 1024, dtype: str = "float32", repeats: int | None
     `seconds` (1-3 s). The best run is reported because other processes on a shared machine only ever slow a run
     down. `repeats` fixes the number of timed runs instead of the time budget. For a figure to publish, call it in a
     fresh process (bench/train_throughput.py does): a process that already trained holds a warmed, busier pool."""
-    os.environ.setdefault("GLOG_v", "3")
     import numpy as np
     import mindspore as ms
     from mindspore import ops

@@ -28,6 +28,7 @@ import numpy as np
 from labkit.config import model_preset
 from labkit.io import atomic_write_text
 from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
+from labkit.runtime import prepare_process
 from labkit.training.sharded import Layout, Optim, Worker
 
 LAYOUTS = {
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--only", default="", help="comma-separated layout names (default: all of the worker count)")
     args = ap.parse_args(argv)
+    prepare_process("CPU")  # the by-hand parallel layouts run on CPU workers
     _context()
     out = Path(args.out)
     if args.what == "reference":

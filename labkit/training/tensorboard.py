@@ -6,14 +6,9 @@ code TensorBoard's server runs, so a test that reads our files back checks what 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
-# MindSpore 2.9's generated protobuf modules (checkpoint_pb2, ...) load only with protobuf's pure-Python backend;
-# `import mindspore` selects it, but only when protobuf is not loaded yet. tensorboardX and tensorboard load
-# protobuf, so importing either before MindSpore made `import mindspore` fail ("Descriptors cannot be created
-# directly"). Choosing the backend here keeps any import order working.
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+from labkit.runtime import before_protobuf
 
 SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "mfu", "rss_mb", "val_loss", "val_ppl")
 PREFIX = "train/"
@@ -24,6 +19,7 @@ class EventWriter:
     missing (the run still has metrics.jsonl)."""
 
     def __init__(self, run_dir, flush_secs: int = 10):
+        before_protobuf()
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -51,6 +47,7 @@ def event_files(run_dir) -> list[Path]:
 def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar TensorBoard would plot for this run folder: {key: [(step, value), ...]}, keys without the
     `train/` prefix. Needs the `tensorboard` package (the `lab` extra)."""
+    before_protobuf()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(Path(run_dir)), size_guidance={"scalars": 0})  # 0 = keep every point

@@ -427,6 +427,15 @@ def config_from_args(args) -> RunConfig:
     return load_run_config(args.config or "configs/tiny_cpu.yaml", sets)
 
 
+def device_target_of(args) -> str:
+    """The device target of a `labkit train` command line, for `prepare_process` before anything imports MindSpore:
+    its run config's. A config that does not load gives CPU here; the command then reports it with its fix."""
+    try:
+        return config_from_args(args).parallel.device_target
+    except LabkitError:
+        return "CPU"
+
+
 def add_cli(parser) -> None:
     from labkit.output import add_common_flags
 

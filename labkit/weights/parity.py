@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -281,7 +280,6 @@ def add_cli(parser) -> None:
 def _cli(args) -> int:
     from labkit.output import emit
 
-    os.environ.setdefault("GLOG_v", "3")
     r = run_parity(args.hf, args.ms, seq_len=args.seq_len, gen_tokens=args.gen_tokens, tolerance=args.tolerance,
                    seed=args.seed)
     r["ok"] = r["passed"]

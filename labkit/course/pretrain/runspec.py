@@ -28,6 +28,7 @@ from pathlib import Path
 
 from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, to_dict
 from labkit.errors import LabkitError
+from labkit.runtime import prepare_process
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
 from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
@@ -364,8 +365,8 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     settings, then placement, pinned layout and batch, the planner's search, and the final config."""
     from labkit.training import checkpoint
 
-    os.environ.setdefault("GLOG_v", "3")  # MindSpore may be imported below (the CPU GEMM probe)
     s = _settings(namespace)
+    prepare_process(s.cfg.parallel.device_target)  # before MindSpore is imported below (the CPU GEMM probe)
     place = _placement(s)
     pin = _pinned(s, place)
     found = _search(s, place, pin)
