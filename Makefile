@@ -30,7 +30,7 @@ PIP_SOURCES = $(foreach s,$(sort $(call pip_conf,PIP_FIND_LINKS,find-links)),--f
 # ~1,400 (the cores were already busy; more processes only contend). Each worker needs ~2-3 GB of memory.
 TEST_WORKERS ?= 3
 
-.PHONY: run test lab venv clean
+.PHONY: run test check lab venv clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,11 @@ run: $(STAMP)
 test: $(STAMP)
 	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" --durations=30 tests notebooks --nbval-lax --nbval-current-env $(ARGS)
 	LABKIT_STRICT_EXERCISES=1 $(BIN)/python -m pytest -p no:cacheprovider -m alone --durations=10 tests $(ARGS) || test $$? -eq 5  # 5: ARGS selected none of them
+
+# The fast lane while editing: the unit tests that start no msrun, notebook, browser, training run or MindSpore
+# process (not `slow`) and measure no speed (not `alone`). `make test` stays the full suite and CI's command.
+check: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider -n 2 -m "not slow and not alone" -q tests $(ARGS)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `make check` leaves this file out (see pyproject.toml's markers)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_TOK = ROOT / "data" / "tokenizer"
 TEXTS = "hello world\nthe quick brown fox\n中文 测试 ，。\n  two  spaces\n"

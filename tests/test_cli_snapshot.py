@@ -23,5 +23,6 @@ def test_no_command_added_or_lost():
     assert sorted(cli_snapshot.helps()) == sorted(GOLDEN["help"])
 
 
+@pytest.mark.slow
 def test_json_keys_unchanged():
     assert cli_snapshot.json_keys() == GOLDEN["json_keys"]

@@ -289,6 +289,7 @@ def test_bench_reports_both_pipelines(built, corpus):
     assert "ratio MindRecord / on-the-fly" in data_bench.format_table(r)
 
 
+@pytest.mark.slow
 def test_a_data_build_process_leaves_torch_out_and_an_in_process_call_does_not(built, corpus, tmp_path):
     """`labkit data build` as a process sets USE_TORCH=0 before transformers imports (labkit/cli.py): the same
     dataset, without the ~6 s of torch. Called in-process (a notebook, a test) it leaves the environment alone."""

@@ -18,6 +18,8 @@ from labkit.errors import LabkitError
 from labkit.training.evaluate import Evaluator, rank_batches, spread
 from labkit.training.generate import pick_token
 
+pytestmark = pytest.mark.slow  # its fixtures train runs: `make check` leaves this file out
+
 SEQ = 16
 GOLDEN = Path(__file__).parent / "golden" / "tiny_10min_val.json"
 
@@ -159,7 +161,6 @@ def evaluated(tmp_path_factory):
     return out, summary
 
 
-@pytest.mark.slow
 def test_evaluation_does_not_change_training(tmp_path, evaluated):
     from labkit.training.trainer import train
 
@@ -180,7 +181,6 @@ def test_evaluation_does_not_change_training(tmp_path, evaluated):
         "the ten-minute run's first validation losses changed (regenerate: see tests/golden/make_tiny_10min_val.py)"
 
 
-@pytest.mark.slow
 def test_ms2hf_of_a_training_checkpoint_loads_in_transformers_with_the_same_loss_and_tokens(tmp_path, evaluated,
                                                                                            capfd):
     """The HF copy computes the trainer's validation loss on the validation set, and greedy `generate()` gives

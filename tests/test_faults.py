@@ -26,6 +26,7 @@ import pytest
 from labkit.errors import LabkitError
 from labkit.training import checkpoint
 
+pytestmark = pytest.mark.slow  # `make check` leaves this file out (see pyproject.toml's markers)
 ROOT = Path(__file__).resolve().parents[1]
 
 

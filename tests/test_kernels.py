@@ -343,6 +343,7 @@ def test_custom_rope_refuses_tables_of_another_shape():
         rope_op()(x, table, table).asnumpy()
 
 
+@pytest.mark.slow
 def test_custom_attention_softmax_equals_native_loss_and_gradients():
     """The tiny Llama (4 layers, seq 64) with its attention softmax switched: the same loss and every parameter's
     gradient within 1e-5 of the native model's; then the operator alone against float64 with a mask broadcast over

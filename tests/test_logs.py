@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_mindformers_imports_without_torch_datasets_nltk_and_they_still_import_after(tmp_path):
     code = f"""
 import json, sys

@@ -135,6 +135,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_death_phase_reads_mindspores_compile_log(tmp_path):
     script = tmp_path / "jit_then_die.py"  # MindSpore parses a jit function's source, so it must be a file
     script.write_text(JIT)

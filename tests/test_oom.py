@@ -26,6 +26,8 @@ from labkit.launch import supervisor as sv
 from labkit.training import monitor as M
 from labkit.training import oom as O
 
+pytestmark = pytest.mark.slow  # `make check` leaves this file out (see pyproject.toml's markers)
+
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 

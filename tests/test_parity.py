@@ -29,6 +29,7 @@ def test_fixed_tokens_are_deterministic():
     assert max(parity.fixed_tokens(5, 200)) == 4 and min(parity.fixed_tokens(5, 200)) == 0
 
 
+@pytest.mark.slow
 def test_parity_passes(pair):
     _, hf, ms = pair
     r = parity.run_parity(hf, ms, seq_len=24, gen_tokens=6)

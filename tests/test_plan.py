@@ -177,6 +177,7 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
     assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
 
 
+@pytest.mark.slow
 def test_mindformers_reads_the_planned_global_batch(plan8, tmp_path):
     """mindformers' own trainer code derives the global batch from the YAML: with and without pipeline stages
     (micro_batch_num against gradient_accumulation_steps), and a YAML edited by hand reads differently."""
@@ -230,6 +231,7 @@ runner_config:
 """
 
 
+@pytest.mark.slow
 def test_yaml_mapping_equals_the_text_it_replaced(plan8):
     """Every planned strategy gives the same YAML document (parsed) as the f-string text did, key order included,
     and the written text parses back to the mapping."""

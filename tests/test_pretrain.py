@@ -214,6 +214,7 @@ ROWS = [{"step": i, "loss": 8 - i / 10, "tokens_per_s": 3000.0, "mfu": 0.5, "pea
          "grad_norm": 1.0} for i in range(1, 6)]
 
 
+@pytest.mark.slow
 def test_live_plot_and_follower_share_one_view(monkeypatch, tmp_path):
     """LivePlot (an on_step callback) and Follower (metrics.jsonl of another process) both redraw a LiveView."""
     from labkit.course import plots
@@ -238,6 +239,7 @@ def test_live_plot_and_follower_share_one_view(monkeypatch, tmp_path):
     assert shown.texts()[-1].startswith("step 3/10") and len(shown.images()) == 2
 
 
+@pytest.mark.slow
 def test_follower_reports_a_failure_once_and_keeps_following(monkeypatch, tmp_path, capsys):
     from labkit.course import plots
 

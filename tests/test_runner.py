@@ -9,6 +9,8 @@ import pytest
 from labkit.course import runner
 from labkit.errors import LabkitError
 
+pytestmark = pytest.mark.slow  # `make check` leaves this file out (see pyproject.toml's markers)
+
 
 def notebook(path, params: str | None, *cells: str):
     nb = nbformat.v4.new_notebook()

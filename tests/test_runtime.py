@@ -69,6 +69,7 @@ print(json.dumps({{"set": sorted(set_now), "blocking": os.environ.get("MS_DEV_LA
 """
 
 
+@pytest.mark.slow
 def test_prepare_process_sets_what_the_target_needs_and_keeps_what_the_user_set():
     cpu = _python(PREPARED.format(target="CPU"))
     assert cpu["blocking"] == "1" and "MS_DEV_LAUNCH_BLOCKING" in cpu["set"]
@@ -90,12 +91,14 @@ ORDERS = {  # each ends by importing MindSpore's checkpoint protobuf module, whi
 
 
 @pytest.mark.parametrize("order", sorted(ORDERS))
+@pytest.mark.slow
 def test_any_import_order_of_labkit_mindspore_and_tensorboard_works(order, tmp_path):
     code = (f"import json, pathlib\nout = pathlib.Path({str(tmp_path)!r})\n{ORDERS[order]}\n"
             "from mindspore.train import checkpoint_pb2\nprint(json.dumps({'ok': hasattr(checkpoint_pb2, 'Checkpoint')}))")
     assert _python(code) == {"ok": True}
 
 
+@pytest.mark.slow
 def test_doctor_names_settings_that_came_after_mindspore():
     code = ("import json, mindspore\nfrom labkit.runtime import prepare_process, import_order_warning\n"
             "prepare_process('CPU')\nprint(json.dumps(import_order_warning()))")

@@ -22,6 +22,7 @@ def test_written_scalars_read_back_with_tensorboards_reader(tmp_path):
     assert [s for s, _ in got["lr"]] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_training_run_writes_events_beside_metrics(tmp_path):
     from labkit.config import load_run_config
     from labkit.training.metrics import read_metrics

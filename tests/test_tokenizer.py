@@ -225,6 +225,7 @@ def test_known_slow_vocabulary_files_match_transformers():
         assert [f for k, f in cls.vocab_files_names.items() if k != "tokenizer_file"] == files, name
 
 
+@pytest.mark.slow
 def test_not_sentencepiece_is_named_without_breaking_mindspore(tmp_path):
     """A tokenizer.model that is an HTML error page is refused by name; the check must not import the Python
     protobuf module, whose presence breaks mindspore's later import of its own generated protos."""
