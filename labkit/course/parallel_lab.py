@@ -23,9 +23,11 @@ import numpy as np
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
+from labkit.parallel.memory import layer_activations, loss_activations
 from labkit.model import scratch
 from labkit.paths import ROOT, RUNS
 from labkit.training import layouts
+from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
 
 CACHE = RUNS / "parallel_lab"
 SOURCES = ("labkit/model/scratch.py", "labkit/parallel/collectives.py", "labkit/training/sharded.py",
@@ -47,25 +49,70 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
         ensure_dataset(layouts.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
     root.mkdir(parents=True, exist_ok=True)
     for workers in sorted(layouts.LAYOUTS):
-        folder = root / f"workers{workers}"
-        if mode == "auto" and _fresh(folder) or mode == "cached":
-            if not _fresh(folder):
-                raise LabkitError(f"no fresh results of the {workers}-worker layouts in {folder}",
-                                  "run parallel_runs('run') (about a minute per worker count)")
-            continue
-        # a notebook and a test may ask at once: one launches while the other waits, then reads its results
-        with open(root / f".lock-workers{workers}", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
-            if mode == "auto" and _fresh(folder):
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            expected = [lay.name for lay in layouts.LAYOUTS[workers]]
-            run_workers(["python", "-m", layouts.__name__, "worker", str(folder)], workers, folder,
-                        what=f"the {workers}-worker parallel layouts", timeout=timeout,
-                        expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
-            (folder / "DONE").write_text("")
+        _launch(mode, root / f"workers{workers}", ["worker"], workers, [lay.name for lay in layouts.LAYOUTS[workers]],
+                what=f"the {workers}-worker parallel layouts", timeout=timeout)
     return root
+
+
+def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: list[str], *, what: str,
+            timeout: float, env: dict | None = None) -> None:
+    """One msrun launch of `python -m labkit.training.layouts TASK[0] folder TASK[1:]`, unless fresh results are
+    there; done when every layout of `expected` has a result from each worker."""
+    if mode == "auto" and _fresh(folder) or mode == "cached":
+        if not _fresh(folder):
+            raise LabkitError(f"no fresh results of {what} in {folder}",
+                              "run it with mode 'run' (about a minute per launch)")
+        return
+    # a notebook and a test may ask at once: one launches while the other waits, then reads its results
+    with open(folder.parent / f".lock-{folder.name}", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if mode == "auto" and _fresh(folder):
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        run_workers(["python", "-m", layouts.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
+                    timeout=timeout, env=env,
+                    expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
+        (folder / "DONE").write_text("")
+
+
+def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) -> Path:
+    """The activation-memory probe's launch (layouts.MEMORY_LAYOUTS side by side, MindSpore's pool statistics on),
+    cached like parallel_runs; returns its folder."""
+    if mode not in MODES:
+        raise LabkitError(f"mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
+    if mode != "cached":
+        ensure_dataset(layouts.MEMORY_SETTINGS["seq_len"], progress=False)
+    folder = root / "memory"
+    folder.mkdir(parents=True, exist_ok=True)
+    for lay in layouts.MEMORY_LAYOUTS:
+        _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.dp * lay.tp * lay.pp, [lay.name],
+                what=f"the activation-memory probe of {lay.name}", timeout=timeout, env=POOL_STATS_ENV)
+    return folder
+
+
+def activation_memory(folder: Path | None = None) -> dict:
+    """Per layout of the probe: each worker's measured memory-pool peak (MiB, from its log), what it keeps between
+    steps (parameters, gradients, optimizer states), and the planner's count (float32) of the activations a worker
+    stores for the backward pass and of the head's and loss's tensors (the head is not split: every worker holds
+    all of them), at the probe's sequence and batch."""
+    folder = folder or memory_runs("cached")
+    s = layouts.MEMORY_SETTINGS
+    cfg = layouts.model_cfg(s)
+    out = {"seq_len": s["seq_len"], "micro_batch": s["global_batch"], "layouts": {}}
+    for lay in layouts.MEMORY_LAYOUTS:
+        launch = folder / lay.name
+        rows = [json.loads(p.read_text()) for p in sorted((launch / lay.name).glob("rank*.json"))]
+        peaks = [pool_peak_mb((launch / "logs" / f"worker_{r['rank']}.log").read_text(errors="replace"))
+                 for r in rows]
+        stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"], s["global_batch"], mp=lay.tp,
+                                                        sequence_parallel=lay.sp, flash_attention=False,
+                                                        fused_norm=False, fused_silu=False)["stored"]
+        loss = loss_activations(cfg, s["seq_len"], s["global_batch"], act_bytes=4, fused_norm=False)
+        out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r["held"] for r in rows],
+                                    "planner_stored_mib": stored / 2**20, "planner_loss_mib": loss / 2**20,
+                                    "losses": [r["losses"] for r in rows]}
+    return out
 
 
 def load(root: Path, name: str) -> list[dict]:

@@ -26,16 +26,18 @@ class WorkersRun:
 
 
 def run_workers(task: list[str], workers: int, cwd: Path, *, what: str, timeout: float = 300,
-                expect=None) -> WorkersRun:
-    """`msrun --worker_num=workers ... TASK` with logs in cwd/logs. `expect()`: True once every worker reported
-    (checked after a clean exit: a run whose workers all exited 0 without reporting failed too)."""
+                expect=None, env: dict | None = None) -> WorkersRun:
+    """`msrun --worker_num=workers ... TASK` with logs in cwd/logs (worker_<rank>.log: each worker's output).
+    `expect()`: True once every worker reported (checked after a clean exit: a run whose workers all exited 0
+    without reporting failed too). `env`: variables added to the workers' environment."""
     if workers < 1:
         raise LabkitError(f"{what}: needs at least 1 worker, got {workers}")
     if not (Path(sys.executable).parent / "msrun").exists():
         raise LabkitError(f"msrun not found next to {sys.executable}", "install MindSpore into this environment")
     logs = Path(cwd) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = python_on_path({k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, logs / ".bin")
+    env = python_on_path({**{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, **(env or {})},
+                         logs / ".bin")
     env["GLOG_v"] = "3"
     cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs, head=msrun_head()) + list(task)
     t0 = time.time()

@@ -4,6 +4,8 @@ single-card reference they must equal.
     msrun --worker_num=2 ... python -m labkit.training.layouts worker OUT   (every layout of 2 workers in turn,
                                                        then the references: float32 on rank 0, float64 on 1)
     python -m labkit.training.layouts reference OUT --dtype float64       (a reference alone)
+    msrun --worker_num=2 ... python -m labkit.training.layouts memory OUT --only sp2   (one step at seq 256, a
+                                                       launch per layout: a process's pool peak is its layout's)
 
 Started as a module, never as a script: a script's folder goes first on the import path, and this folder's
 profile.py would hide the standard library's (which transformers imports).
@@ -39,6 +41,12 @@ LAYOUTS = {
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
 REFERENCE = Layout("single")
+# The activation-memory probe: MindSpore prints its memory pool's peak when a process ends, so each layout measured
+# has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
+# enough for the norm tensors sequence parallelism splits (8 x 256 x 256 floats = 2 MiB each) to stand out of the
+# pool's 1 MiB print resolution.
+MEMORY_LAYOUTS = [Layout("single"), Layout("tp2", tp=2), Layout("sp2", tp=2, sp=True)]
+MEMORY_SETTINGS = dict(SETTINGS, seq_len=256, steps=1)
 
 
 def model_cfg(settings: dict = SETTINGS):
@@ -109,7 +117,7 @@ def _context():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m labkit.training.layouts")
-    ap.add_argument("what", choices=("worker", "reference"))
+    ap.add_argument("what", choices=("worker", "reference", "memory"))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--only", default="", help="comma-separated layout names (default: all of the worker count)")
@@ -125,6 +133,9 @@ def main(argv=None) -> int:
 
     init()
     rank, world = get_rank(), get_group_size()
+    if args.what == "memory":  # one layout of MEMORY_LAYOUTS (--only); MindSpore prints the pool's peak at exit
+        train_layout({lay.name: lay for lay in MEMORY_LAYOUTS}[args.only], rank, world, out, MEMORY_SETTINGS)
+        return 0
     wanted = [s for s in args.only.split(",") if s]
     for layout in LAYOUTS[world]:
         if not wanted or layout.name in wanted:
