@@ -202,6 +202,9 @@ def test_shard_balance_counts_the_arrays_each_rank_receives(built):
     mb, dp, accum, steps = 2, 2, 2, stats["n_samples"] // 8 + 5  # crosses an epoch boundary
     r = loader.check_shard_balance(out, micro_batch=mb, dp_size=dp, accum=accum, steps=steps, seed=0)
     assert r["tokens_per_rank"] == [steps * mb * accum * stats["sample_len"]] * dp and r["max_imbalance"] == 0
+    assert r["shared_samples"] == 0 and r["steps_matching_single_card"] == steps
+    # epoch 0 is covered: every sample but the remainder that does not fill a global batch (the rows are distinct)
+    assert r["epoch_samples_covered"] == stats["n_samples"] - stats["n_samples"] % (mb * dp * accum)
     # document ends: the EOS counts the build recorded per sample, summed over the samples the order contract assigns
     sample_docs = np.load(out / "sample_docs.npy")
     spe = stats["n_samples"] // (mb * dp * accum)
@@ -224,6 +227,19 @@ def test_shard_balance_sees_a_rank_that_receives_less(built, monkeypatch):
     r = loader.check_shard_balance(out, micro_batch=2, dp_size=2, accum=1, steps=5, seed=0)
     assert r["tokens_per_rank"] == [5 * 2 * stats["sample_len"], 5 * 2 * (stats["sample_len"] - 1)]
     assert r["max_imbalance"] > 0
+
+
+def test_shard_balance_sees_ranks_that_read_the_same_samples(built, monkeypatch):
+    real = loader.make_loader
+
+    def rank1_reads_rank0(*args, dp_rank=0, **kwargs):  # a broken split: every rank gets rank 0's shard
+        return real(*args, dp_rank=0, **kwargs)
+
+    _, out = built
+    monkeypatch.setattr(loader, "make_loader", rank1_reads_rank0)
+    r = loader.check_shard_balance(out, micro_batch=2, dp_size=2, accum=1, steps=5, seed=0)
+    assert r["max_imbalance"] == 0  # the token counts alone look balanced
+    assert r["shared_samples"] == 5 * 2 and r["steps_matching_single_card"] == 0 and r["epoch_samples_covered"] is None
 
 
 # --------------------------------------------------------------------------------- cache and CLI

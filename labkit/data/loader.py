@@ -5,6 +5,7 @@ and a resumed run reads exactly the batches the uninterrupted run would have rea
 from __future__ import annotations
 
 import os
+from collections import Counter
 import numpy as np
 from labkit.errors import LabkitError
 from labkit.paths import lab_path
@@ -82,28 +83,48 @@ def make_loader(dataset_dir, micro_batch: int, *, seed: int, dp_size: int = 1, d
 
 def check_shard_balance(dataset_dir, micro_batch: int, dp_size: int, accum: int, steps: int, seed: int,
                         shuffle: bool = True) -> dict:
-    """Tokens and document ends (EOS tokens) each data-parallel rank actually receives over `steps` optimizer steps,
-    counted in the arrays `make_loader` yields for every dp_rank (the path training reads), not inferred from the
-    index plan. Packed samples all hold seq_len + 1 tokens, so tokens per rank should be equal; documents are not."""
-    eos_id = read_stats(dataset_dir).get("eos_id")
+    """What the data-parallel ranks actually receive over `steps` optimizer steps, read from the arrays `make_loader`
+    yields for every dp_rank (the path training reads) and for one card that takes the whole global batch (micro_batch
+    x dp_size, same accum); nothing is inferred from the index plan. A sample is known by its contents.
+
+    - `shared_samples`: samples that reached two or more ranks within one epoch (a sound split has none);
+    - `steps_matching_single_card`: steps at which the ranks' samples together are exactly the single card's;
+    - `epoch_samples_covered`: distinct samples the ranks together read in epoch 0 (None when `steps` ends earlier);
+    - `tokens_per_rank` / `documents_per_rank`: tokens and document ends (EOS tokens) each rank received. Packed
+      samples hold no padding, so every token is real content; documents per rank need not be equal."""
+    stats = read_stats(dataset_dir)
+    eos_id = stats.get("eos_id")
     if steps < 1:
         raise LabkitError(f"steps {steps} must be at least 1")
-    tokens, docs = [], []
-    for r in range(dp_size):
-        it = make_loader(dataset_dir, micro_batch, seed=seed, dp_size=dp_size, dp_rank=r, accum=accum,
-                         shuffle=shuffle)
-        n_tok = n_doc = 0
-        for _ in range(steps * accum):
-            x = next(it)
-            n_tok += int(x.size)
-            n_doc += int(np.count_nonzero(x == eos_id)) if eos_id is not None else 0
+    steps_per_epoch = check_layout(stats["n_samples"], micro_batch, dp_size, 0, accum)
+
+    def received(mb, size, rank):
+        """[steps, rows of one optimizer step] as row bytes, plus token and EOS counts."""
+        it = make_loader(dataset_dir, mb, seed=seed, dp_size=size, dp_rank=rank, accum=accum, shuffle=shuffle)
+        rows, n_tok, n_doc = [], 0, 0
+        for _ in range(steps):
+            xs = [next(it) for _ in range(accum)]
+            rows.append([r.tobytes() for x in xs for r in x])
+            n_tok += sum(int(x.size) for x in xs)
+            n_doc += sum(int(np.count_nonzero(x == eos_id)) for x in xs) if eos_id is not None else 0
         it.close()  # ends the MindDataset pipeline of this rank
-        tokens.append(n_tok)
-        docs.append(n_doc)
+        return rows, n_tok, n_doc
+
+    ranks = [received(micro_batch, dp_size, r) for r in range(dp_size)]
+    single = received(micro_batch * dp_size, 1, 0)[0]
+    shared = 0
+    for e in range(0, steps, steps_per_epoch):
+        seen = [{b for t in range(e, min(e + steps_per_epoch, steps)) for b in rows[t]} for rows, _, _ in ranks]
+        shared += sum(c > 1 for c in Counter(b for s in seen for b in s).values())
+    matching = sum(sorted(b for rows, _, _ in ranks for b in rows[t]) == sorted(single[t]) for t in range(steps))
+    covered = (len({b for rows, _, _ in ranks for t in range(steps_per_epoch) for b in rows[t]})
+               if steps >= steps_per_epoch else None)
+    tokens, docs = [r[1] for r in ranks], [r[2] for r in ranks]
 
     def imbalance(v):
         return (max(v) - min(v)) / max(np.mean(v), 1e-9)
 
-    return dict(dp_size=dp_size, steps=steps, micro_batch=micro_batch, accum=accum,
+    return dict(dp_size=dp_size, steps=steps, micro_batch=micro_batch, accum=accum, steps_per_epoch=steps_per_epoch,
+                shared_samples=shared, steps_matching_single_card=matching, epoch_samples_covered=covered,
                 tokens_per_rank=tokens, documents_per_rank=docs, max_imbalance=round(imbalance(tokens), 6),
                 document_imbalance=round(imbalance(docs), 6))
