@@ -91,6 +91,55 @@ def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) ->
     return folder
 
 
+RETENTION_SCRIPT = """
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops
+from labkit.parallel.collectives import differentiable
+ms.set_context(mode=ms.PYNATIVE_MODE); ms.set_device("CPU")
+kind, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+class Twice(nn.Cell):
+    def construct(self, x):
+        return x * 2.0
+
+    def bprop(self, x, out, dout):  # reads neither x nor out
+        return (dout * 2.0,)
+
+twice = {"cell with bprop": Twice(), "differentiable": differentiable(lambda x: x * 2.0, lambda d: d * 2.0),
+         "plain ops": lambda x: x * 2.0}[kind]
+w = ms.Parameter(ms.Tensor(np.ones(n, np.float32)), name="w")
+
+def loss(x):
+    h = ops.tanh(x)
+    for _ in range(repeats):
+        h = twice(h)
+    return (h * w).sum()
+
+ms.value_and_grad(loss, None, [w])(ms.Tensor(np.ones(n, np.float32)))
+"""
+
+
+def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
+    """The memory pool's peak (MiB) of one forward and backward pass through `repeats` doublings of a `mib` MiB
+    tensor, each written as a Cell with a custom `bprop`, as `collectives.differentiable`, and as plain operators:
+    what each way keeps for the backward. One process per way (the pool's peak is printed when a process ends)."""
+    import os
+    import subprocess
+    import sys
+
+    out = {"tensor_mib": mib, "repeats": repeats}
+    for kind in ("plain ops", "differentiable", "cell with bprop"):
+        p = subprocess.run([sys.executable, "-c", RETENTION_SCRIPT, kind, str(mib * 2**20 // 4), str(repeats)],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, **POOL_STATS_ENV})
+        peak = pool_peak_mb(p.stdout + p.stderr)
+        if p.returncode or peak is None:
+            raise LabkitError(f"the retention probe ({kind}) failed (exit {p.returncode})", p.stderr[-2000:])
+        out[kind] = peak
+    return out
+
+
 def activation_memory(folder: Path | None = None) -> dict:
     """Per layout of the probe: each worker's measured memory-pool peak (MiB, from its log), what it keeps between
     steps (parameters, gradients, optimizer states), and the planner's count (float32) of the activations a worker
