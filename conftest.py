@@ -12,7 +12,8 @@ from __future__ import annotations
 import labkit  # noqa: F401  first, before any test module imports MindSpore: labkit/__init__.py sets its launch mode
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
-    "notebooks/04_single_card.ipynb",  # 252
+    "notebooks/04a_single_card.ipynb",  # 04a + 04b were 04 (252)
+    "notebooks/04b_precision_and_knobs.ipynb",
     "notebooks/08_troubleshooting.ipynb",  # 223
     "notebooks/05_data_parallel.ipynb",  # 197, measured before its drill runs stopped evaluating
     # after 05, not among the first three: its first test bounds node 0's whole run (start-up included) at 60 s, and
