@@ -1,4 +1,4 @@
-"""Training: config errors, the schedule, and accumulation equal to the big batch (resume is notebook 04's check)."""
+"""Training: config errors, the schedule, and accumulation equal to the big batch (resume is notebook 04a's check)."""
 import json
 from pathlib import Path
 
@@ -109,8 +109,8 @@ def straight(tmp_path_factory):
 
 
 def test_resume_without_a_checkpoint_refuses(tmp_path):
-    """That a full-state resume continues exactly (losses within 1e-6 of the uninterrupted run) is notebook 04's
-    check (section 9, on the main run it trains anyway; nbval runs it); notebook 05 checks it under data parallel,
+    """That a full-state resume continues exactly (losses within 1e-6 of the uninterrupted run) is notebook 04a's
+    check (section 7, on the main run it trains anyway; nbval runs it); notebook 05 checks it under data parallel,
     tests/test_faults.py through `labkit train --resume` past a damaged checkpoint."""
     from labkit.training.trainer import train
 

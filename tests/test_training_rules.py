@@ -13,7 +13,7 @@ from labkit.training.schedule import WarmupCosine, lr_at
     ["train.lr=3e-3", "train.min_lr=0", "train.warmup_steps=0", "train.decay_steps=25"],
 ])
 def test_in_graph_schedule_equals_lr_at_at_every_step(sets):
-    """WarmupCosine runs inside the optimizer's graph; lr_at is what metrics.jsonl logs and notebook 04 plots."""
+    """WarmupCosine runs inside the optimizer's graph; lr_at is what metrics.jsonl logs and notebook 04a plots."""
     import mindspore as ms
 
     t = load_run_config("configs/tiny_cpu.yaml", sets).train

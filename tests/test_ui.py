@@ -8,7 +8,7 @@ shows, or a plot that never updates go unseen. Here:
    cells below and its live figure is redrawn at the steps labkit.course.pretrain.follow.figure_steps() names; the
    cells that read its result run without an error (the notebook's later sections, evaluation and the way back to
    HF, are nbval's: they show nothing live);
-2. notebook 04 (main run only, few steps): the live plot is redrawn every 10 steps while the kernel trains.
+2. notebook 04a (main run only, few steps): the live plot is redrawn every 10 steps while the kernel trains.
 Every wait is for a state the page must reach (a live figure says which redraw it is and which step it shows, see
 labkit.course.plots.LiveView), never for something to happen within a time: the budget only ends a hang.
 Screenshots land in runs/ui/ (git-ignored) with report.json (phase times, what was seen).
@@ -464,28 +464,28 @@ def test_07_form_validates_applies_and_the_smoke_run_plots_live(lab, last_view):
 
 
 HAND_WRITTEN_04 = ("## 2. 亲手写一个训练步", "hand_cfg = cfg_for(", "模型、优化器和两个编译图", "def micro_step(",
-                   "亲手写的一步与工具一致", "hand_diff = max(")  # notebook 04's section 2 and its comparison
+                   "亲手写的一步与工具一致", "hand_diff = max(")  # notebook 04a's section 2 and its comparison
 
 
 def test_04_live_plot_updates_while_the_kernel_trains(lab, last_view):
     d = lab.deadline
     # section 2's training step by hand (~30 s, not needed by the main run) stays out: this test is about the plot
     steps = 20
-    _, src = copy_notebook("04_single_card.ipynb", lab.root, dict(steps=steps, eval_every=0,  # no validation graph
+    _, src = copy_notebook("04a_single_card.ipynb", lab.root, dict(steps=steps, eval_every=0,  # no validation graph
                                                                   output_dir=str(lab.tmp / "run04")),
                            last_cell='nb.check(main["final_loss"]', drop=HAND_WRITTEN_04)
     i_train = index_of(src, "LivePlot(every=10")
     redraws = steps // 10  # LivePlot redraws at steps 10 and 20; close() adds none (no step after the last redraw)
-    nb = lab.open("04_single_card.ipynb")
+    nb = lab.open("04a_single_card.ipynb")
     last_view(nb.page, "04")
     d.mark("04 open")
     nb.run_menu("Run All Cells")
-    caught, final = follow_figure(nb, i_train, d, "notebook 04's main run", "04_live", last_step=steps)
+    caught, final = follow_figure(nb, i_train, d, "notebook 04a's main run", "04a_live", last_step=steps)
     d.mark("04 trained")
     d.seen["04 figure redraws (the kernel's)"] = final["update"]
     d.seen["04 figures the page caught on the way"] = len(caught)
     assert final["update"] == redraws, f"the live plot was redrawn {final['update']} times, expected {redraws} " \
                                        f"(every 10 of {steps} steps)"
-    nb.wait_executed(d, len(src) - 1, "notebook 04")
+    nb.wait_executed(d, len(src) - 1, "notebook 04a")
     d.mark("04 done")
     assert not lab.problems, lab.problems

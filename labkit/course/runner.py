@@ -63,7 +63,7 @@ def reading_minutes(notebook: Path) -> float:
     return round(prose + code / READING_RATE["code_lines"], 1)
 
 
-COURSE_NAME = re.compile(r"(\d\d)([a-z]?)_\w+\.ipynb")  # 04_single_card, 06a_...: a number, a part letter, a name
+COURSE_NAME = re.compile(r"(\d\d)([a-z]?)_\w+\.ipynb")  # 03_data_pipeline, 06a_...: a number, a part letter, a name
 
 
 def _selects(key: str, name: str) -> bool:
