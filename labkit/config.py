@@ -47,6 +47,8 @@ def coerce(value: Any, tp, where: str):
         if not isinstance(value, dict):
             raise LabkitError(f"{where} must be a mapping, got {value!r}")
         return dict(value)
+    if tp is Recompute:
+        return Recompute.parse(value, where)
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else load(tp, value, where)
     if tp is Any:
@@ -133,7 +135,20 @@ def load(cls, data: dict | None, where: str = ""):
 
 
 def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)
+    """A config as plain data, as YAML writes it (a Recompute as its text)."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+
+
+def _plain(value):
+    if isinstance(value, Recompute):
+        return str(value)
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -251,6 +266,102 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return load(ModelConfig, {"name": name, **MODEL_PRESETS[name], **overrides}, "model")
 
 
+# -------------------------------------------------------------------------------------------- recompute
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation: what each recomputed decoder layer recomputes in the backward pass (`mode`:
+    none; selective = the attention core; full = the whole layer from its input) and which layers do it.
+
+    The layers are a slice of the layer list, `start` to `stop` (exclusive; None = through the last layer); a
+    negative `start` counts from the end. Written as text (YAML, `--set`, parameters) in one of RECOMPUTE_FORMS:
+    `all` = full on every layer, `last:K` = full on the last K, `first:K`, `A-B`; `selective` and `full` are the
+    planner's modes on every layer. str() gives the text back."""
+
+    mode: Literal["none", "selective", "full"] = "none"
+    start: int = 0
+    stop: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "train.recompute") -> Recompute:
+        """One of RECOMPUTE_FORMS (or true/false); a LabkitError naming `where` and the accepted forms if not."""
+        if isinstance(value, Recompute):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls("full") if value else cls()
+        s = str(value).strip().lower()
+        try:
+            if s in ("none", "off", "false", ""):
+                return cls()
+            if s in ("all", "full", "true", "on"):
+                return cls("full")
+            if s == "selective":
+                return cls("selective")
+            if s.startswith("last:"):
+                k = int(s[5:])
+                return cls("full", -k) if k > 0 else cls()
+            if s.startswith("first:"):
+                k = int(s[6:])
+                return cls("full", 0, k) if k > 0 else cls()
+            if "-" in s:
+                a, b = (int(x) for x in s.split("-"))
+                if 0 <= a <= b:
+                    return cls("full", a, b + 1)
+        except ValueError:
+            pass
+        raise LabkitError(f"{where} = {value!r} is not understood", f"use {RECOMPUTE_FORMS}")
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "none"
+        if self.start == 0 and self.stop is None:
+            return "all" if self.mode == "full" else self.mode
+        if self.start < 0:
+            return f"last:{-self.start}"
+        return f"first:{self.stop}" if self.start == 0 else f"{self.start}-{self.stop - 1}"
+
+    def layers(self, num_layers: int, where: str = "train.recompute") -> list[int]:
+        """The indices of the recomputed decoder layers of a `num_layers`-layer model."""
+        if self.mode == "none":
+            return []
+        if self.start > 0 and self.stop is not None and self.stop > num_layers:
+            raise LabkitError(f"{where} = {str(self)!r} names layers outside the model's",
+                              f"use {RECOMPUTE_FORMS} with layers 0..{num_layers - 1}")
+        return list(range(num_layers))[self.start:self.stop]
+
+    def fraction(self, num_layers: int) -> float:
+        return len(self.layers(num_layers)) / num_layers
+
+    def planner_modes(self, num_layers: int) -> dict[str, float]:
+        """The planner's whole-model modes (RECOMPUTE) and the weight of each: the planner's memory and time of
+        this recomputation are its rows for these modes, weighted (activations are per layer)."""
+        frac = self.fraction(num_layers)
+        if self.mode != "full" or frac in (0.0, 1.0):
+            return {self.mode if frac else "none": 1.0}
+        return {"none": 1 - frac, "full": frac}
+
+    def stage_counts(self, num_layers: int, pp: int) -> list[int]:
+        """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
+        each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
+        other n layers of the stage, so `last:16` becomes [16] with one stage."""
+        per = num_layers // pp
+        idx = self.layers(num_layers)
+        return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
+
+    def mindformers(self, num_layers: int | None = None, pp: int = 1) -> dict:
+        """mindformers' recompute_config keys `recompute` (true, or layers per stage when only some layers are)
+        and `select_recompute`. `num_layers` is needed only when some layers recompute and others do not."""
+        flags = {"recompute": self.mode == "full", "select_recompute": self.mode == "selective"}
+        if self.mode != "full" or (self.start == 0 and self.stop is None):
+            return flags
+        if num_layers is None:
+            raise LabkitError(f"recompute {str(self)!r} names some layers: mindformers counts them per pipeline stage",
+                              "give the model's num_layers")
+        frac = self.fraction(num_layers)
+        return {**flags, "recompute": frac == 1 if frac in (0.0, 1.0) else self.stage_counts(num_layers, pp)}
+
+
 # ------------------------------------------------------------------------------------------ training run
 
 
@@ -296,7 +407,7 @@ class TrainConfig:
     loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
     scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
     scale_factor: int = 2  # loss-scale growth/shrink factor
-    recompute: str = "none"  # activation recomputation: none | all | last:K | first:K | A-B (layer index range)
+    recompute: Recompute = Recompute()  # activation recomputation: none | all | last:K | first:K | A-B (layer range)
     seed: int = 1234  # model init, data order
     grad_norm_alert: float = 10.0  # warn when the global gradient norm exceeds this
     save_every: int = 0  # write a full training checkpoint every N steps (0 = only at the end)
@@ -356,7 +467,11 @@ class RunConfig:
     output_dir: str = "runs/train"  # run folder (relative to where you run)
 
     def validate(self, where: str = ""):
-        self.model_config()  # raises on bad model keys
+        model = self.model_config()  # raises on bad model keys
+        self.train.recompute.layers(model.num_layers)  # raises on layers the model does not have
+        if self.train.recompute.mode == "selective":
+            raise LabkitError("train.recompute = 'selective' is a planner mode: labkit's trainer recomputes whole "
+                              "layers", "use none, all, last:K, first:K or A-B")
 
     def model_config(self) -> ModelConfig:
         spec = dict(self.model)
@@ -397,27 +512,5 @@ AMP_LEVELS = {
 }
 
 
-def parse_recompute(spec: str, num_layers: int) -> list[int]:
-    """`none`, `all`, `last:K`, `first:K` or `A-B` (inclusive) → decoder-layer indices to recompute."""
-    s = (spec or "none").strip().lower()
-    try:
-        if s in ("none", "off", "false", ""):
-            return []
-        if s in ("all", "full", "true", "on"):
-            return list(range(num_layers))
-        if s.startswith("last:"):
-            k = int(s[5:])
-            return list(range(max(0, num_layers - k), num_layers))
-        if s.startswith("first:"):
-            return list(range(min(num_layers, int(s[6:]))))
-        if "-" in s:
-            a, b = (int(x) for x in s.split("-"))
-            if 0 <= a <= b < num_layers:
-                return list(range(a, b + 1))
-    except ValueError:
-        pass
-    raise LabkitError(f"train.recompute = {spec!r} is not understood",
-                      f"use none, all, last:K, first:K or A-B with layers 0..{num_layers - 1}")
-
-
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
+RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from labkit.course import pretrain
-from labkit.config import load_run_config, model_preset
+from labkit.config import Recompute, load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import NOTEBOOKS
@@ -137,9 +137,9 @@ def test_partial_recompute_lies_between_none_and_all():
 
 
 def test_stage_recompute_counts_for_mindformers():
-    assert pretrain.stage_recompute_counts("last:16", 32, 1) == [16]
-    assert pretrain.stage_recompute_counts("last:16", 32, 2) == [0, 16]
-    assert pretrain.stage_recompute_counts("all", 32, 4) == [8, 8, 8, 8]
+    assert Recompute.parse("last:16").stage_counts(32, 1) == [16]
+    assert Recompute.parse("last:16").stage_counts(32, 2) == [0, 16]
+    assert Recompute.parse("all").stage_counts(32, 4) == [8, 8, 8, 8]
 
 
 def test_expected_shapes_use_mindformers_names():

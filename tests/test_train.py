@@ -11,7 +11,7 @@ from labkit.model.llama import llama_config_kwargs
 from labkit.config import model_preset
 from labkit.training.world import check_batch
 from labkit.training.schedule import lr_at
-from labkit.config import parse_recompute
+from labkit.config import Recompute
 
 def cfg(tmp_path, *sets):
     """The tiny config with one decoder layer (what these runs check, accumulation and a divergence caught, does not
@@ -55,13 +55,28 @@ def test_schedule_warms_up_then_decays_to_the_floor_on_its_own_horizon():
 
 
 def test_recompute_ranges():
-    assert parse_recompute("none", 4) == []
-    assert parse_recompute("last:2", 4) == [2, 3]
-    assert parse_recompute("first:1", 4) == [0]
-    assert parse_recompute("1-2", 4) == [1, 2]
-    assert parse_recompute("all", 3) == [0, 1, 2]
+    def layers(spec, n):
+        return Recompute.parse(spec).layers(n)
+
+    assert layers("none", 4) == []
+    assert layers("last:2", 4) == [2, 3]
+    assert layers("first:1", 4) == [0]
+    assert layers("1-2", 4) == [1, 2]
+    assert layers("all", 3) == [0, 1, 2]
     with pytest.raises(LabkitError, match="last:K"):
-        parse_recompute("3-9", 4)
+        layers("3-9", 4)
+    with pytest.raises(LabkitError, match="train.recompute = 'last:x'.*\n.*last:K, first:K"):
+        Recompute.parse("last:x")
+    for spec in ("none", "all", "last:2", "first:1", "1-2", "selective"):
+        assert str(Recompute.parse(spec)) == spec  # the text a YAML holds comes back unchanged
+
+
+def test_recompute_maps_to_mindformers_and_the_planner():
+    assert Recompute.parse("last:2").mindformers(4, 2) == {"recompute": [0, 2], "select_recompute": False}
+    assert Recompute.parse("all").mindformers() == {"recompute": True, "select_recompute": False}
+    assert Recompute.parse("selective").mindformers() == {"recompute": False, "select_recompute": True}
+    assert Recompute.parse("last:1").planner_modes(4) == {"none": 0.75, "full": 0.25}
+    assert Recompute.parse("none").planner_modes(4) == {"none": 1.0}
 
 
 def test_ascend_takes_fused_kernels_and_flash_attention_from_the_config_alone():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import yaml
 
+from labkit.config import Recompute
 from labkit.errors import LabkitError
 
 
@@ -13,15 +14,18 @@ SEARCH_MODES = ("sharding_propagation", "recursive_programming")
 
 
 def mindformers_parallel_config(strategy: dict, *, parallel_mode: str = "semi_auto_parallel",
-                                search_mode: str = "sharding_propagation", sequence_parallel: bool = False) -> dict:
+                                search_mode: str = "sharding_propagation", sequence_parallel: bool = False,
+                                num_layers: int | None = None) -> dict:
     """The `parallel`, `parallel_config`, `recompute_config` and `runner_config` blocks of a mindformers run YAML
-    for a strategy (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml)."""
+    for a strategy (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml). `num_layers` is needed
+    only when the strategy recomputes some layers (`last:K`...): mindformers counts them per pipeline stage."""
     if parallel_mode not in PARALLEL_MODES:
         raise LabkitError(f"parallel_mode '{parallel_mode}' is not known", f"use {', '.join(PARALLEL_MODES)}")
     if search_mode not in SEARCH_MODES:
         raise LabkitError(f"search_mode '{search_mode}' is not known", f"use {' or '.join(SEARCH_MODES)}")
     s = {k: strategy[k] for k in CONSTRAINT_KEYS}
     pipeline = s["pp"] > 1
+    rc = Recompute.parse(s["recompute"], "recompute").mindformers(num_layers, s["pp"])
     return {
         "use_parallel": True,
         "parallel": {"parallel_mode": PARALLEL_MODES[parallel_mode], "gradients_mean": False,
@@ -35,8 +39,7 @@ def mindformers_parallel_config(strategy: dict, *, parallel_mode: str = "semi_au
                             "micro_batch_num": s["accum"] if pipeline else 1,
                             "vocab_emb_dp": True, "gradient_aggregation_group": 4},
         "micro_batch_interleave_num": 1,
-        "recompute_config": {"recompute": s["recompute"] == "full", "select_recompute": s["recompute"] == "selective",
-                             "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
+        "recompute_config": {**rc, "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
                              "recompute_slice_activation": True},
         "runner_config": {"batch_size": s["micro_batch"], "gradient_accumulation_steps": 1 if pipeline else s["accum"]},
     }

@@ -26,7 +26,7 @@ from labkit.logs import quiet_mindformers
 from labkit.io import OutputLock, atomic_write_text
 from labkit.paths import lab_path
 from labkit.model.shapes import flops_per_token
-from labkit.config import AMP_LEVELS, parse_recompute
+from labkit.config import AMP_LEVELS
 from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 from labkit.training.step import grad_ops, update_tail
@@ -68,7 +68,7 @@ class Trainer:
         self.amp = AMP_LEVELS[t.amp_level]
         self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                  device_target=cfg.parallel.device_target, **self.amp,
-                                 recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
+                                 recompute_layers=t.recompute.layers(mcfg.num_layers), seed=t.seed,
                                  parallel_config=self._mf_parallel_config(), kernels=t.kernels)
         if t.init_checkpoint:
             self._load_init(t.init_checkpoint)

@@ -7,7 +7,6 @@ import shlex
 from pathlib import Path
 from labkit.io import atomic_write_text
 from labkit.course.pretrain.params import DEFAULTS
-from labkit.course.pretrain.layouts import recompute_fraction
 from labkit.course.pretrain.runspec import PretrainRun
 
 
@@ -24,17 +23,6 @@ def layout_table(run: PretrainRun, top: int = 8):
                          for r in rows])
 
 
-def stage_recompute_counts(spec: str, num_layers: int, pp: int) -> list[int]:
-    """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
-    each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
-    other n layers of the stage, so `last:16` becomes [16] with one stage."""
-    from labkit.config import parse_recompute
-
-    per = num_layers // pp
-    idx = parse_recompute(spec, num_layers)
-    return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
-
-
 def mindformers_yaml(run: PretrainRun) -> str:
     """The same run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
     available in the installed mindformers 1.9.0)."""
@@ -45,12 +33,9 @@ def mindformers_yaml(run: PretrainRun) -> str:
     from labkit.config import AMP_LEVELS
 
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
-    frac = recompute_fraction(t.recompute, run.model.num_layers)
     mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
-    par = mf_yaml.mindformers_parallel_config({**s, "recompute": "full" if frac == 1 else "none"},
-                                              parallel_mode=mode, search_mode=p.search_mode)
-    if 0 < frac < 1:
-        par["recompute_config"]["recompute"] = stage_recompute_counts(t.recompute, run.model.num_layers, p.pp)
+    par = mf_yaml.mindformers_parallel_config({**s, "recompute": t.recompute}, parallel_mode=mode,
+                                              search_mode=p.search_mode, num_layers=run.model.num_layers)
     par["use_parallel"] = run.devices > 1
     dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": c.data.dataset or "", "shuffle": c.data.shuffle},
                "input_columns": ["input_ids"], "num_parallel_workers": c.data.num_parallel_workers,

@@ -160,7 +160,7 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     tokens_per_step = t.micro_batch * dp * t.accum * cfg.data.seq_len
     return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",
             "global batch": f"{t.micro_batch} x {dp} x {t.accum} = {t.micro_batch * dp * t.accum}",
-            "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": t.recompute,
+            "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": str(t.recompute),
             "optimizer_shard": p.optimizer_shard, "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
             "model states GiB": round(m["weights"] + m["gradients"] + m["optimizer"], 1),
             "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row["fits"],

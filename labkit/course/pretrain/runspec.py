@@ -26,12 +26,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, to_dict
+from labkit.config import Recompute, RunConfig, coerce, load, load_run_config, set_dotted, to_dict
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
 from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
-from labkit.course.pretrain.layouts import divisors, estimate, recompute_fraction, shortfall, split_batch
+from labkit.course.pretrain.layouts import divisors, estimate, shortfall, split_batch
 
 
 @dataclass
@@ -155,7 +155,6 @@ def _settings(namespace: dict) -> Settings:
     if cfg.data.seq_len > model.max_position_embeddings:
         raise LabkitError(f"parameter seq_len = {cfg.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}", f"use seq_len <= {model.max_position_embeddings}")
-    recompute_fraction(cfg.train.recompute, model.num_layers)  # raises on a bad spec
     return Settings(given=given, preset=preset, pre=pre, base=base, data=data, cfg=cfg, model=model)
 
 
@@ -432,7 +431,7 @@ def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, f
     if not found:
         return f"the planner finds no fitting strategy at all: {why}"
     b = max(found, key=lambda r: r["tokens_per_s"])
-    rc = {"none": "none", "full": "all"}[b["recompute"]]
+    rc = Recompute.parse(b["recompute"])
     return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b['dp']} -p mp "
             f"{b['mp']} -p pp {b['pp']} -p micro_batch {b['micro_batch']} -p recompute {rc} -p optimizer_shard "
             f"{b['optimizer_shard']} ({b['memory_gib']['total']:.1f} GiB)")
