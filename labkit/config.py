@@ -362,6 +362,45 @@ class Recompute:
         return {**flags, "recompute": frac == 1 if frac in (0.0, 1.0) else self.stage_counts(num_layers, pp)}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over devices: data, tensor (model) and pipeline parallel sizes, samples per
+    device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded over dp, and
+    sequence parallel (the norms' activations split over mp as well)."""
+
+    dp: int = 1
+    mp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    accum: int = 1  # micro-steps per optimizer step (pipeline micro-batches with pp > 1)
+    recompute: Recompute = Recompute()
+    optimizer_shard: bool = False
+    sequence_parallel: bool = False
+
+    KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")  # a planner row's layout
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.mp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.accum
+
+    @classmethod
+    def of(cls, row: dict, sequence_parallel: bool = False) -> Layout:
+        """The layout of a planner row (or any mapping with the KEYS)."""
+        return cls(**{k: row[k] for k in cls.KEYS if k != "recompute"},
+                   recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel)
+
+    def row(self) -> dict:
+        """The KEYS as a planner row holds them (recompute as text: the planner's mode when every layer does it)."""
+        rc = self.recompute
+        whole = rc.mode == "none" or (rc.start == 0 and rc.stop is None)
+        return {"dp": self.dp, "mp": self.mp, "pp": self.pp, "micro_batch": self.micro_batch, "accum": self.accum,
+                "recompute": rc.mode if whole else str(rc), "optimizer_shard": self.optimizer_shard}
+
+
 # ------------------------------------------------------------------------------------------ training run
 
 
@@ -472,6 +511,12 @@ class RunConfig:
         if self.train.recompute.mode == "selective":
             raise LabkitError("train.recompute = 'selective' is a planner mode: labkit's trainer recomputes whole "
                               "layers", "use none, all, last:K, first:K or A-B")
+
+    def layout(self) -> Layout:
+        """The run's parallel layout (dp None: 1)."""
+        t, p = self.train, self.parallel
+        return Layout(dp=p.dp or 1, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
+                      recompute=t.recompute, optimizer_shard=p.optimizer_shard)
 
     def model_config(self) -> ModelConfig:
         spec = dict(self.model)

@@ -4,6 +4,7 @@ mindformers itself). The CPU calibration (memory differences within the bench's 
 by notebook 06b under nbval (it caches runs/bench/plan_calibration.json); tests/test_calibration.py tests the cache."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,8 +20,10 @@ from labkit.model import shapes
 from labkit.model.shapes import num_params
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import msrun
-from labkit.config import ModelConfig, model_preset
+from labkit.config import Layout, ModelConfig, model_preset
 from labkit.errors import LabkitError
+
+NOFA = memory.Numerics(flash_attention=False)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA2_7B = 6_738_415_616
@@ -44,7 +47,7 @@ def seven_b():
 
 @pytest.fixture(scope="module")
 def plan8(seven_b):
-    return P.plan(seven_b, 8, 64)
+    return P.plan(seven_b, P.Machine(8, 64))
 
 
 def test_llama2_7b_count_matches_mindformers(seven_b):
@@ -70,16 +73,16 @@ def test_activations_follow_korthikanti():
     cfg = ModelConfig(hidden_size=1024, num_heads=16, num_layers=4, vocab_size=1000, intermediate_size=4096)
     s, b = 2048, 2
     sbh, scores = s * b * 1024, 16 * s * s * b
-    none = memory.layer_activations(cfg, s, b, flash_attention=False)["stored"]
+    none = memory.layer_activations(cfg, s, b, numerics=NOFA)["stored"]
     assert none == pytest.approx(4 * sbh + 4 * sbh + 4 * s * b * 4096 + scores)  # norms, Q K V ctx, SwiGLU, scores
-    sel = memory.layer_activations(cfg, s, b, recompute="selective", flash_attention=False)
+    sel = memory.layer_activations(cfg, s, b, recompute="selective", numerics=NOFA)
     assert sel["stored"] == pytest.approx(none - scores) and sel["working"] == pytest.approx(scores)
     assert memory.layer_activations(cfg, s, b, recompute="full")["stored"] == sbh
-    fa = memory.layer_activations(cfg, s, b, flash_attention=True)["stored"]
+    fa = memory.layer_activations(cfg, s, b)["stored"]
     assert fa == pytest.approx(none - scores + 2 * 16 * s * b)  # flash attention keeps only row statistics
-    tp = memory.layer_activations(cfg, s, b, mp=4, flash_attention=False)["stored"]
+    tp = memory.layer_activations(cfg, s, b, mp=4, numerics=NOFA)["stored"]
     assert tp == pytest.approx(4 * sbh + (none - 4 * sbh) / 4)
-    sp = memory.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, flash_attention=False)["stored"]
+    sp = memory.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, numerics=NOFA)["stored"]
     assert sp == pytest.approx(none / 4)
 
 
@@ -91,14 +94,15 @@ def test_cpu_graph_terms():
     cfg = ModelConfig(hidden_size=256, num_heads=4, num_layers=2, vocab_size=4096)
     s, b, f = 128, 4, cfg.ffn_size
     sbh, scores, mib = s * b * 256, 4 * s * s * b, 2**20
-    cpu = dict(flash_attention=False, fused_norm=False, fused_silu=False)
-    layer = memory.layer_activations(cfg, s, b, **cpu)["stored"]
+    cpu = memory.Numerics(flash_attention=False, fused_norm=False, fused_silu=False)
+    layer = memory.layer_activations(cfg, s, b, numerics=cpu)["stored"]
     assert layer == 12 * sbh + scores + 5 * s * b * f and layer * 4 / mib == 14.5
-    assert memory.layer_activations(cfg, s, b, recompute="full", **cpu)["stored"] == 2 * sbh  # input, and 2*x from it
+    assert memory.layer_activations(cfg, s, b, recompute="full", numerics=cpu)["stored"] == 2 * sbh  # input, and 2*x from it
     assert memory.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
     assert memory.recompute_mask_elements(s, b, "none", False) == 0 < memory.recompute_mask_elements(s, b, "full", False)
     assert memory.adamw_early_bytes(num_params(cfg)) == 4 * num_params(cfg)
-    mem = P.memory_breakdown(cfg, seq_len=s, micro_batch=b, precision="fp32", **cpu)
+    mem = P.memory_breakdown(cfg, Layout(micro_batch=b), seq_len=s,
+                             numerics=dataclasses.replace(cpu, precision="fp32"))
     assert mem["activations"] * 2**30 / mib == 2 * 14.5 + 34
 
 
@@ -129,31 +133,32 @@ def test_plan_8_cards_finds_the_mindformers_recipe(plan8):
 
 
 def test_plan_1_card_nothing_fits(seven_b):
-    r = P.plan(seven_b, 1, 64)
+    r = P.plan(seven_b, P.Machine(1, 64))
     assert r["best"] is None and r["strategies"] and not any(s["fits"] for s in r["strategies"])
     assert "75.3 GiB" in r["why"] and "devices" in r["why"]
 
 
 def test_constraints_validate_a_chosen_strategy(seven_b):
     pinned = dict(dp=2, mp=2, pp=2, micro_batch=1, accum=32, recompute="selective", optimizer_shard=True)
-    r = P.plan(seven_b, 8, 64, constraints=pinned)
+    r = P.plan(seven_b, P.Machine(8, 64), constraints=pinned)
     assert len(r["strategies"]) == 1 and r["best"] == r["strategies"][0]
     assert {k: r["best"][k] for k in pinned} == pinned
-    r = P.plan(seven_b, 8, 64, constraints={"mp": 8, "pp": 1})
+    r = P.plan(seven_b, P.Machine(8, 64), constraints={"mp": 8, "pp": 1})
     assert r["strategies"] and all(s["mp"] == 8 for s in r["strategies"])
-    r = P.plan(seven_b, 8, 64, constraints={"mp": 3})
+    r = P.plan(seven_b, P.Machine(8, 64), constraints={"mp": 3})
     assert r["best"] is None and "no valid strategy" in r["why"]
     with pytest.raises(LabkitError, match="unknown constraint"):
-        P.plan(seven_b, 8, 64, constraints={"tp": 2})
+        P.plan(seven_b, P.Machine(8, 64), constraints={"tp": 2})
     with pytest.raises(LabkitError, match="recompute"):
-        P.plan(seven_b, 8, 64, constraints={"recompute": "some"})
+        P.plan(seven_b, P.Machine(8, 64), constraints={"recompute": "some"})
 
 
 def test_pipeline_bubble_and_micro_batch_rule(seven_b):
-    r = P.plan(seven_b, 8, 64, constraints={"dp": 1, "mp": 1, "pp": 8, "micro_batch": 1, "recompute": "none"})
+    r = P.plan(seven_b, P.Machine(8, 64),
+               constraints={"dp": 1, "mp": 1, "pp": 8, "micro_batch": 1, "recompute": "none"})
     (row,) = r["strategies"]
     assert row["time_s"]["bubble"] == pytest.approx(row["time_s"]["compute"] * 7 / 64, rel=1e-3)
-    r = P.plan(seven_b, 8, 64, global_batch=4, constraints={"pp": 8})
+    r = P.plan(seven_b, P.Machine(8, 64), global_batch=4, constraints={"pp": 8})
     assert r["best"] is None and any("micro-batches >= stages" in k for k in r["skipped"])
 
 

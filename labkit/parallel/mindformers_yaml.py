@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import yaml
 
-from labkit.config import Recompute
+from labkit.config import Layout, Recompute
 from labkit.errors import LabkitError
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
-CONSTRAINT_KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")
+CONSTRAINT_KEYS = Layout.KEYS
 SEARCH_MODES = ("sharding_propagation", "recursive_programming")
 
 

@@ -120,16 +120,16 @@ def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None 
                     recompute: str | None = None) -> dict:
     """The planner's memory need of one worker of run config `cfg` (its micro-batch, seq_len and recompute unless
     given), MB by part: `labkit.parallel.memory` as notebook 08 quotes it on CPU (fp32, no flash attention, unfused
-    norm; recompute "all" counts as full recomputation, anything else as none). Not counted: MindSpore's own memory
+    norm; `last:K` and the like weigh the planner's none and full by the share of layers recomputed). Not counted: MindSpore's own memory
     (libraries, graph compilation, allocator pools)."""
-    from labkit.parallel.memory import memory_breakdown
+    import dataclasses
 
-    t, par = cfg.train, cfg.parallel
-    rc = Recompute.parse(recompute) if recompute else t.recompute
-    parts = memory_breakdown(cfg.model_config(), seq_len=seq_len or cfg.data.seq_len,
-                             micro_batch=micro_batch or t.micro_batch, accum=t.accum, dp=par.dp or 1, mp=par.mp,
-                             pp=par.pp, optimizer_shard=par.optimizer_shard, precision="fp32", flash_attention=False,
-                             recompute="full" if rc == Recompute("full") else "none", fused_norm=False)
+    from labkit.parallel.memory import Numerics, memory_breakdown
+
+    layout = dataclasses.replace(cfg.layout(), micro_batch=micro_batch or cfg.train.micro_batch,
+                                 recompute=Recompute.parse(recompute) if recompute else cfg.train.recompute)
+    parts = memory_breakdown(cfg.model_config(), layout, seq_len=seq_len or cfg.data.seq_len,
+                             numerics=Numerics(precision="fp32", flash_attention=False, fused_norm=False))
     return {k: round(v * 1024, 1) for k, v in parts.items() if k not in ("stage", "params")}
 
 

@@ -10,25 +10,24 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_len: int, dp: int, mp: int,
-             pp: int, micro_batch: int, accum: int, recompute, optimizer_shard: bool, amp_level: str,
-             flash_attention: bool) -> dict:
+def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_attention: bool) -> dict:
     """The planner's row for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
-    planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed."""
-    from labkit.config import Recompute
+    planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed.
+    `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.config.Layout."""
     from labkit.parallel import planner
+    from labkit.parallel.memory import Numerics
 
     precision, master = AMP_PRECISION[amp_level]
-    recompute = Recompute.parse(recompute)
-    modes = recompute.planner_modes(model.num_layers)
+    lay, memory_gib, devices = layout, machine.device_memory_gib, machine.devices
+    dp, mp, pp, micro_batch, accum = lay.dp, lay.mp, lay.pp, lay.micro_batch, lay.accum
+    modes = lay.recompute.planner_modes(model.num_layers)
     frac = list(modes.values())[-1]  # the weight of the last mode (full); the first one's is 1 - frac
     rows = {}
     for rc in modes:
-        res = planner.plan(model, devices, memory_gib, device=device, seq_len=seq_len,
-                           global_batch=micro_batch * dp * accum, precision=precision, master_weights=master,
-                           nodes=nodes, flash_attention=flash_attention,
-                           constraints=dict(dp=dp, mp=mp, pp=pp, micro_batch=micro_batch, accum=accum, recompute=rc,
-                                            optimizer_shard=optimizer_shard))
+        res = planner.plan(model, machine, seq_len=seq_len, global_batch=lay.global_batch,
+                           numerics=Numerics(precision=precision, master_weights=master,
+                                             flash_attention=flash_attention),
+                           constraints={**lay.row(), "recompute": rc})
         if not res["strategies"]:
             raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
                               + ("; ".join(res["skipped"]) or "no valid strategy"))
@@ -38,8 +37,8 @@ def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_
     mem = {k: round(mix(lo["memory_gib"][k], hi["memory_gib"][k]), 3) for k in lo["memory_gib"]}
     step = mix(lo["step_time_s"], hi["step_time_s"])
     tokens = micro_batch * dp * accum * seq_len
-    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": str(recompute),
-           "optimizer_shard": optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
+    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": str(lay.recompute),
+           "optimizer_shard": lay.optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
            "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
            "fits": mem["total"] <= memory_gib}
     if not row["fits"]:

@@ -144,7 +144,9 @@ def _node_summary(run: PretrainRun, result, out: dict) -> dict:
 def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices: int = 8,
                device: str = "atlas_800t_a2", memory_gib: float | None = None, tokens: float = 100e9) -> dict:
     """One shipped recipe judged by the planner on `devices` x `device`, as the config says (no search)."""
+    from labkit.config import Layout
     from labkit.parallel.devices import device_preset
+    from labkit.parallel.planner import Machine
     from labkit.model.llama import backend_flags
 
     cfg = load_run_config(config, [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()])
@@ -152,10 +154,10 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     dev = device_preset(device)
     memory = memory_gib or dev.memory_gib
     dp = p.dp or devices // (p.mp * p.pp)
-    row = estimate(model, dev, memory, devices=devices, nodes=max(1, devices // dev.devices_per_node),
-                   seq_len=cfg.data.seq_len, dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
-                   recompute=t.recompute, optimizer_shard=p.optimizer_shard, amp_level=t.amp_level,
-                   flash_attention=backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention)
+    machine = Machine(devices, memory, device=dev, nodes=max(1, devices // dev.devices_per_node))
+    layout = Layout(dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
+                    optimizer_shard=p.optimizer_shard)
+    row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention)
     m = row["memory_gib"]
     tokens_per_step = t.micro_batch * dp * t.accum * cfg.data.seq_len
     return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",

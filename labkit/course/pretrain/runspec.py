@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import Recompute, RunConfig, coerce, load, load_run_config, set_dotted, to_dict
+from labkit.config import Layout, Recompute, RunConfig, coerce, load, load_run_config, set_dotted, to_dict
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
@@ -269,7 +269,10 @@ class Search:
 
 def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tuple[list, dict]:
     """The planner's row for each dp x mp x pp the parameters allow, and why each other one cannot work."""
+    from labkit.parallel.planner import Machine
+
     t, devices, target = s.cfg.train, place.devices, s.cfg.parallel.device_target
+    machine = Machine(devices, place.memory_gib, device=dev, nodes=place.nodes)
     rows, reasons = [], {}
     for m in divisors(devices):
         for q in divisors(devices // m):
@@ -280,9 +283,9 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
             mb, acc, g, why = split_batch(pin.global_batch, pin.micro_batch, pin.accum, t.micro_batch, d)
             if why is None:
                 try:
-                    rows.append(estimate(s.model, dev, place.memory_gib, devices=devices, nodes=place.nodes,
-                                         seq_len=s.cfg.data.seq_len, dp=d, mp=m, pp=q, micro_batch=mb, accum=acc,
-                                         recompute=t.recompute, optimizer_shard=pin.optimizer_shard and d > 1,
+                    layout = Layout(dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
+                                    optimizer_shard=pin.optimizer_shard and d > 1)
+                    rows.append(estimate(s.model, machine, layout, seq_len=s.cfg.data.seq_len,
                                          amp_level=t.amp_level, flash_attention=flash))
                 except LabkitError as e:
                     why = e.what
@@ -294,6 +297,7 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
 def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
     from labkit.model.llama import backend_flags
     from labkit.parallel.devices import device_preset
+    from labkit.parallel.planner import Machine
 
     target = s.cfg.parallel.device_target
     flash = backend_flags(target).use_flash_attention
@@ -312,8 +316,8 @@ def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
                           f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
                           f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
                           f"{best['optimizer_shard']})",
-                          _memory_fix(s.model, dev, memory, place.devices, place.nodes, s.cfg, pin.global_batch or
-                                      best["micro_batch"] * best["dp"] * best["accum"], target, flash))
+                          _memory_fix(s.model, Machine(place.devices, memory, device=dev, nodes=place.nodes), s.cfg,
+                                      pin.global_batch or best["micro_batch"] * best["dp"] * best["accum"], flash))
     return Search(device=dev, rows=rows)
 
 
@@ -413,18 +417,20 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
                              global_batch=c.train.global_batch)
 
 
-def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, flash) -> str:
-    """The planner's fastest fitting strategy for these devices, as parameters to pass."""
+def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) -> str:
+    """The planner's fastest fitting strategy for the machine's devices, as parameters to pass."""
     from labkit.parallel import planner
+    from labkit.parallel.memory import Numerics
 
     precision, master = AMP_PRECISION[cfg.train.amp_level]
+    target = cfg.parallel.device_target
     found = []
     for rc in ("none", "full"):
         cons = {"recompute": rc, **({"mp": 1, "pp": 1} if target == "CPU" else {})}
         if target == "CPU":
             cons["optimizer_shard"] = False
-        res = planner.plan(model, devices, memory, device=dev, seq_len=cfg.data.seq_len, global_batch=global_batch,
-                           precision=precision, master_weights=master, nodes=nodes, flash_attention=flash,
+        res = planner.plan(model, machine, seq_len=cfg.data.seq_len, global_batch=global_batch,
+                           numerics=Numerics(precision=precision, master_weights=master, flash_attention=flash),
                            constraints=cons)
         found += [r for r in res["strategies"] if r["fits"]]
         why = res["why"]
