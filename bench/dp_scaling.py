@@ -43,12 +43,13 @@ def main(argv=None) -> int:
 
         root = lab_path(args.output)
         n, b = args.workers, args.micro_batch
-        common = dict(steps=args.steps, overwrite=True, progress=not args.json,
-                      overrides=["train.save_every=0", "train.keep_checkpoints=1", "train.global_batch=null"])
+        sets = ["train.save_every=0", "train.keep_checkpoints=1", "train.global_batch=null"]
         runs = {}
         for w, mb in ((1, n * b), (n, b)):
             t = time.perf_counter()
-            res = launch.launch("configs/tiny_cpu.yaml", w, output=root / f"{w}w", micro_batch=mb, **common)
+            spec = launch.LaunchSpec("configs/tiny_cpu.yaml", w, sets, output=root / f"{w}w", micro_batch=mb,
+                                     steps=args.steps, overwrite=True)
+            res = launch.launch(spec, progress=not args.json)
             if not res.ok:
                 print(res.report(), file=sys.stderr)
                 return 1

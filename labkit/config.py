@@ -168,15 +168,30 @@ def set_dotted(data: dict, assignment: str) -> dict:
     if "=" not in assignment:
         raise LabkitError(f"--set {assignment!r} has no '='", "write --set key=value, e.g. --set train.lr=3e-4")
     key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else None
+    return set_value(data, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+
+
+def set_value(data: dict, key: str, value) -> dict:
+    """Set dotted `key` (`a.b`) of a nested mapping to `value` as it is (typed, not parsed), in place."""
     node = data
-    parts = key.strip().split(".")
+    parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise LabkitError(f"--set {key}: '{part}' is not a section")
     node[parts[-1]] = value
     return data
+
+
+# the command-line flags of `labkit train` and `labkit launch` that set a config field, and that field
+RUN_FLAGS = {"steps": "train.steps", "micro_batch": "train.micro_batch", "accum": "train.accum",
+             "seed": "train.seed", "output": "output_dir"}
+
+
+def flag_values(source) -> dict:
+    """RUN_FLAGS' fields with the values `source` (argparse namespace, LaunchSpec) gives them; None ones left out."""
+    values = {key: getattr(source, flag, None) for flag, key in RUN_FLAGS.items()}
+    return {k: str(v) if k == "output_dir" else v for k, v in values.items() if v is not None}
 
 
 def _positive(obj, where: str, *names: str):
@@ -526,12 +541,16 @@ class RunConfig:
         return load(ModelConfig, spec, "model")
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from YAML (or defaults) with `--set a.b=c` overrides applied, validated."""
-    data = read_yaml(path) if path else {}
+def load_run_config(path: str | Path | RunConfig | None = None, overrides: list[str] | tuple | None = None,
+                    values: dict | None = None) -> RunConfig:
+    """A RunConfig from YAML (or defaults, or a RunConfig) with `--set a.b=c` overrides, then `values` (dotted key
+    -> typed value, e.g. flag_values(args)) applied, validated."""
+    data = to_dict(path) if isinstance(path, RunConfig) else read_yaml(path) if path else {}
     for item in overrides or []:
         set_dotted(data, item)
-    where = str(path) if path else "config"
+    for key, value in (values or {}).items():
+        set_value(data, key, value)
+    where = str(path) if path and not isinstance(path, RunConfig) else "config"
     try:
         return load(RunConfig, data)
     except LabkitError as e:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from labkit.training import checkpoint, run_dir
-from labkit.config import RunConfig, dump_run_config, load_run_config, to_dict
+from labkit.config import RunConfig, dump_run_config, flag_values, load_run_config, to_dict
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.training.metrics import read_metrics
 from labkit.model.llama import build_model
@@ -418,13 +418,7 @@ def add_train_flags(parser) -> None:
 
 
 def config_from_args(args) -> RunConfig:
-    sets = list(args.set)
-    for flag, key in (("steps", "train.steps"), ("micro_batch", "train.micro_batch"), ("accum", "train.accum"),
-                      ("seed", "train.seed"), ("output", "output_dir")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            sets.append(f"{key}={value}")
-    return load_run_config(args.config or "configs/tiny_cpu.yaml", sets)
+    return load_run_config(args.config or "configs/tiny_cpu.yaml", args.set, flag_values(args))
 
 
 def add_cli(parser) -> None:

@@ -2,7 +2,6 @@
 the two Llama-2-7B recipes compared by the planner."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from labkit.config import load_run_config
@@ -149,7 +148,7 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     from labkit.parallel.planner import Machine
     from labkit.model.llama import backend_flags
 
-    cfg = load_run_config(config, [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()])
+    cfg = load_run_config(config, values=overrides)
     model, t, p = cfg.model_config(), cfg.train, cfg.parallel
     dev = device_preset(device)
     memory = memory_gib or dev.memory_gib

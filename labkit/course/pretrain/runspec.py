@@ -20,13 +20,12 @@ layout and the batch), Search (the planner's rows, best first); then the final c
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import Layout, Recompute, RunConfig, coerce, load, load_run_config, set_dotted, to_dict
+from labkit.config import Layout, Recompute, RunConfig, coerce, load, load_run_config, set_value, to_dict
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
@@ -149,7 +148,7 @@ def _settings(namespace: dict) -> Settings:
     data = to_dict(base)
     for p in PARAMETERS:  # plain settings: the parameter wins, None keeps the config's value
         if p.field and given[p.name] is not None and p.name not in LAYOUT_PARAMS:
-            set_dotted(data, f"{p.field}={json.dumps(given[p.name])}")
+            set_value(data, p.field, given[p.name])
     cfg = load(RunConfig, data)  # validates types, schedule, recompute syntax later
     model = cfg.model_config()
     if cfg.data.seq_len > model.max_position_embeddings:
@@ -353,7 +352,7 @@ def _final_config(s: Settings, place: Placement, best: dict, shard: bool, out: P
                        ("parallel.optimizer_shard", shard), ("parallel.parallel_mode", mode),
                        ("train.micro_batch", best["micro_batch"]), ("train.accum", best["accum"]),
                        ("train.global_batch", best["micro_batch"] * best["dp"] * best["accum"])):
-        set_dotted(data, f"{key}={json.dumps(value)}")
+        set_value(data, key, value)
     data["output_dir"] = str(out)
     for key in ("dataset", "tokenizer", "init_checkpoint"):
         section = "train" if key == "init_checkpoint" else "data"
