@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
                        "step_s": statistics.median(r["step_time_s"] for r in rows),
                        "first_step_s": json.loads(Path(res.metrics).read_text().splitlines()[0])["step_time_s"]}
-        probe = probe.measure_allreduce("tiny", workers=n, repeats=args.repeats, output=root / "allreduce")
+        probe = probe.measure_allreduce("tiny", workers=n, timings=probe.AllreduceTimings(repeats=args.repeats),
+                                        output=root / "allreduce")
         g = probe["model_grads"]
         result = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "runs": list(runs.values()),
                   "speedup": runs[n]["tokens_per_s"] / runs[1]["tokens_per_s"], "backend": probe["backend"],

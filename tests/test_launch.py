@@ -165,13 +165,13 @@ def test_the_report_names_the_node_that_never_joined(tmp_path):
 def test_one_msrun_builder():
     from labkit.parallel import msrun
 
-    line = msrun.msrun_args(4, 2, master_port=29500, log_dir="L", master_addr="10.0.0.1", node_rank=1,
-                            cluster_time_out=30, tail_worker_log=msrun.NO_TAIL)
+    cluster = msrun.Cluster(4, 2, master_port=29500, master_addr="10.0.0.1", node_rank=1, cluster_time_out=30)
+    line = msrun.msrun_args(cluster, log_dir="L", tail_worker_log=msrun.NO_TAIL)
     assert line == ["msrun", "--worker_num=4", "--local_worker_num=2", "--master_addr=10.0.0.1", "--node_rank=1",
                     "--master_port=29500", "--log_dir=L", "--join=True", "--cluster_time_out=30",
                     "--tail_worker_log=65535"]
     with pytest.raises(LabkitError, match="do not split"):
-        msrun.msrun_args(3, 2, master_port=29500, log_dir="L")
+        msrun.msrun_args(msrun.Cluster(3, 2, master_port=29500), log_dir="L")
 
 
 def test_workers_get_the_callers_python_first_on_path(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from labkit.training import checkpoint
 from labkit.config import load_run_config
 from labkit.errors import LabkitError, LabkitFailure
-from labkit.model.llama import llama_config_kwargs
+from labkit.model.llama import Backend, llama_config_kwargs
 from labkit.config import model_preset
 from labkit.training.world import check_batch
 from labkit.training.schedule import lr_at
@@ -81,13 +81,13 @@ def test_recompute_maps_to_mindformers_and_the_planner():
 
 def test_ascend_takes_fused_kernels_and_flash_attention_from_the_config_alone():
     """The Ascend path cannot run here; the configuration it produces is what we can check."""
-    kw = llama_config_kwargs(model_preset("llama2_7b"), seq_length=4096, device_target="Ascend",
-                             compute_dtype="float16")
+    kw = llama_config_kwargs(model_preset("llama2_7b"), seq_length=4096,
+                             backend=Backend(device_target="Ascend", compute_dtype="float16"))
     assert kw["fused_rms_norm"] and kw["use_flash_attention"] and not kw["use_rope_slice"]
-    cpu = llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU")
+    cpu = llama_config_kwargs(model_preset("tiny"), seq_length=128, backend=Backend(device_target="CPU"))
     assert not cpu["fused_rms_norm"] and not cpu["use_flash_attention"] and cpu["use_rope_slice"]
     with pytest.raises(LabkitError, match="flash attention is not available on CPU"):
-        llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU", use_flash_attention=True)
+        llama_config_kwargs(model_preset("tiny"), seq_length=128, backend=Backend(use_flash_attention=True))
 
 
 def test_weights_only_files_cannot_resume(tmp_path):

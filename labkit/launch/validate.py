@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from labkit.errors import LabkitError
-from labkit.parallel.msrun import NO_TAIL, msrun_args, msrun_head
+from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
 
 
 # variables msrun sets for its workers; a launch from inside a worker must not inherit them
@@ -210,8 +210,8 @@ def prepare(spec: LaunchSpec) -> PreparedLaunch:
     # after node 0 has begun must not see node 0's fresh run as an old one (a resume still needs the checkpoint).
     # A resumed checkpoint must fit the config, the dataset and the global batch (run_dir.check_resume*)
     folder = run_dir.check_run_folder(cfg.output_dir, resume=s.resume, overwrite=s.overwrite or s.node_rank > 0,
-                                      steps=cfg.train.steps, shared=s.nodes > 1, cfg=cfg, dataset=ds,
-                                      global_batch=par.global_batch)
+                                      steps=cfg.train.steps, shared=s.nodes > 1,
+                                      fit=run_dir.ResumeFit(cfg, dataset=ds, global_batch=par.global_batch))
     cfg.output_dir = str(folder.output)
     return PreparedLaunch(cfg=cfg, workers=s.workers, nodes=s.nodes, node_rank=s.node_rank, total=layout.total,
                           mode=par.mode, dp=par.dp, global_batch=par.global_batch, dataset=cfg.data.dataset,
@@ -258,7 +258,7 @@ def command(pl: PreparedLaunch, config_file: Path, logs: Path) -> list[str]:
     args = ["train", "--config", str(config_file), "--json"] + (["--resume"] if pl.resume else [])
     if pl.total == 1:  # the entry msrun runs too: a worker the launcher watches, not `labkit train`'s own watcher
         return ["python", "-m", "labkit.launch"] + args
-    head = msrun_args(pl.total, pl.workers, master_addr=pl.master_addr, master_port=pl.master_port,
-                      node_rank=pl.node_rank if pl.nodes > 1 else None, log_dir=logs,
-                      cluster_time_out=cluster_timeout(pl.cfg), tail_worker_log=NO_TAIL, head=msrun_head())
+    cluster = Cluster(pl.total, pl.workers, master_port=pl.master_port, master_addr=pl.master_addr,
+                      node_rank=pl.node_rank if pl.nodes > 1 else None, cluster_time_out=cluster_timeout(pl.cfg))
+    head = msrun_args(cluster, log_dir=logs, tail_worker_log=NO_TAIL, head=msrun_head())
     return head + ["python", "-m", "labkit.launch"] + args

@@ -29,7 +29,7 @@ def mindformers_yaml(run: PretrainRun) -> str:
     import yaml
 
     from labkit.parallel import mindformers_yaml as mf_yaml
-    from labkit.model.llama import llama_config_kwargs
+    from labkit.model.llama import Backend, llama_config_kwargs
     from labkit.config import AMP_LEVELS
 
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
@@ -61,8 +61,8 @@ def mindformers_yaml(run: PretrainRun) -> str:
         **par,
         "context": context,
         "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
-            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch, device_target=p.device_target,
-            **AMP_LEVELS[t.amp_level])}, "arch": {"type": "LlamaForCausalLM"}},
+            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch,
+            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))}, "arch": {"type": "LlamaForCausalLM"}},
         "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
                       "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
                                     "vocab_file": str(Path(c.data.tokenizer) / "tokenizer.model")}},

@@ -412,8 +412,8 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
     ds = run_dir.check_dataset(c) if c.data.dataset else None
     run_dir.check_init_checkpoint(c.train.init_checkpoint, c)
     run_dir.check_run_folder(run.output_dir, resume=run.resume, overwrite=run.overwrite, steps=c.train.steps,
-                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1, cfg=c, dataset=ds,
-                             global_batch=c.train.global_batch)
+                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1,
+                             fit=run_dir.ResumeFit(c, dataset=ds, global_batch=c.train.global_batch))
 
 
 def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) -> str:
