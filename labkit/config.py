@@ -49,6 +49,8 @@ def coerce(value: Any, tp, where: str):
         return dict(value)
     if tp is Recompute:
         return Recompute.parse(value, where)
+    if tp is ModelConfig and isinstance(value, dict) and "preset" in value:
+        return model_from_section(value, where)
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else load(tp, value, where)
     if tp is Any:
@@ -271,6 +273,15 @@ MODEL_PRESETS: dict[str, dict] = {
     "llama2_7b": dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, multiple_of=256,
                       max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
+
+
+def model_from_section(section: dict, where: str = "model") -> ModelConfig:
+    """A run config's `model:` section: `preset: NAME` plus ModelConfig overrides, or the ModelConfig fields."""
+    spec = dict(section)
+    preset = spec.pop("preset", None)
+    if preset:
+        return model_preset(str(preset), **spec)
+    return load(ModelConfig, spec, where)
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:
@@ -514,15 +525,15 @@ class ParallelConfig:
 class RunConfig:
     """A whole training run, as in configs/*.yaml."""
 
-    model: dict = field(default_factory=lambda: {"preset": "tiny"})  # preset: NAME plus ModelConfig overrides
+    model: ModelConfig = field(default_factory=lambda: model_preset("tiny"))  # YAML: `preset: NAME` plus overrides,
+    # or every ModelConfig field
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: str = "runs/train"  # run folder (relative to where you run)
 
     def validate(self, where: str = ""):
-        model = self.model_config()  # raises on bad model keys
-        self.train.recompute.layers(model.num_layers)  # raises on layers the model does not have
+        self.train.recompute.layers(self.model.num_layers)  # raises on layers the model does not have
         if self.train.recompute.mode == "selective":
             raise LabkitError("train.recompute = 'selective' is a planner mode: labkit's trainer recomputes whole "
                               "layers", "use none, all, last:K, first:K or A-B")
@@ -534,11 +545,8 @@ class RunConfig:
                       recompute=t.recompute, optimizer_shard=p.optimizer_shard)
 
     def model_config(self) -> ModelConfig:
-        spec = dict(self.model)
-        preset = spec.pop("preset", None)
-        if preset:
-            return model_preset(preset, **spec)
-        return load(ModelConfig, spec, "model")
+        """The model (`self.model`)."""
+        return self.model
 
 
 def load_run_config(path: str | Path | RunConfig | None = None, overrides: list[str] | tuple | None = None,

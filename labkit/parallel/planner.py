@@ -362,16 +362,14 @@ def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: in
 def model_from_config_file(path) -> tuple[ModelConfig, dict]:
     """The model of a labkit run config (its `model:` section: `preset: NAME` plus overrides, or ModelConfig
     fields) and the few other values the planner can use (data.seq_len)."""
-    from labkit.config import load, model_preset, read_yaml
+    from labkit.config import model_from_section, read_yaml
 
     data = read_yaml(path)
     section = data.get("model")
     if not isinstance(section, dict):
         raise LabkitError(f"{path} has no 'model:' section", "add model: {preset: tiny} or the ModelConfig fields")
-    spec = dict(section)
-    preset = spec.pop("preset", None)
     try:
-        cfg = model_preset(preset, **spec) if preset else load(ModelConfig, spec, "model")
+        cfg = model_from_section(section)
     except LabkitError as e:
         raise LabkitError(f"{path}: {e.what}", e.fix) from None
     extra = {}
