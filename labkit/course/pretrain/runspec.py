@@ -93,13 +93,10 @@ def getattr_dotted(obj, dotted: str):
 
 
 def _typed(name: str, value):
-    import typing
-
-    tp = eval(PARAMS[name].type, {"Optional": typing.Optional, "int": int, "float": float, "str": str, "bool": bool})
     try:
-        return coerce(value, tp, name)
+        return coerce(value, PARAMS[name].type, name)
     except LabkitError as e:
-        raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type}") from None
+        raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type_name}") from None
 
 
 def _caller_base() -> Path:
