@@ -303,7 +303,8 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
         "notes": [
             "pool = MindSpore's memory-pool peak of live tensors ('peak used mem', whole MiB rounded down), at the end "
             "of the forward pass; compared with the activations of labkit.parallel.memory.memory_breakdown(numerics="
-            "Numerics(precision='fp32', flash_attention=False, fused_norm=False, fused_silu=False)) + AdamW's fp32 weight-decay products "
+            "Numerics(precision='fp32', flash_attention=False, fused_norm=False, fused_silu=False)) + AdamW's fp32 "
+            "weight-decay products "
             "(labkit.parallel.memory.adamw_early_bytes, 4 bytes per parameter, computed at the start of the step). The fixed "
             "rest (~4 MiB: the embedding's first AdamW moment product, RoPE tables) cancels in the differences",
             "span = the pool's address span ('actual peak used mem'): live bytes plus the holes its best-fit "

@@ -97,7 +97,8 @@ def test_cpu_graph_terms():
     cpu = memory.Numerics(flash_attention=False, fused_norm=False, fused_silu=False)
     layer = memory.layer_activations(cfg, s, b, numerics=cpu)["stored"]
     assert layer == 12 * sbh + scores + 5 * s * b * f and layer * 4 / mib == 14.5
-    assert memory.layer_activations(cfg, s, b, recompute="full", numerics=cpu)["stored"] == 2 * sbh  # input, and 2*x from it
+    # the layer input, and 2*x from it
+    assert memory.layer_activations(cfg, s, b, recompute="full", numerics=cpu)["stored"] == 2 * sbh
     assert memory.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
     assert memory.recompute_mask_elements(s, b, "none", False) == 0 < memory.recompute_mask_elements(s, b, "full", False)
     assert memory.adamw_early_bytes(num_params(cfg)) == 4 * num_params(cfg)

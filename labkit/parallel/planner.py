@@ -301,7 +301,8 @@ def _check_constraints(constraints: dict | None) -> dict:
     if rc is not None:
         rc = Layout(recompute=Recompute.parse(rc, "constraint recompute")).row()["recompute"]
         if rc not in RECOMPUTE:
-            raise LabkitError(f"constraint recompute='{rc}' names some layers only", f"use one of {', '.join(RECOMPUTE)}")
+            raise LabkitError(f"constraint recompute='{rc}' names some layers only",
+                              f"use one of {', '.join(RECOMPUTE)}")
         constraints["recompute"] = rc
     return constraints
 

@@ -120,8 +120,8 @@ def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None 
                     recompute: str | None = None) -> dict:
     """The planner's memory need of one worker of run config `cfg` (its micro-batch, seq_len and recompute unless
     given), MB by part: `labkit.parallel.memory` as notebook 08 quotes it on CPU (fp32, no flash attention, unfused
-    norm; `last:K` and the like weigh the planner's none and full by the share of layers recomputed). Not counted: MindSpore's own memory
-    (libraries, graph compilation, allocator pools)."""
+    norm; `last:K` and the like weigh the planner's none and full by the share of layers recomputed). Not counted:
+    MindSpore's own memory    (libraries, graph compilation, allocator pools)."""
     import dataclasses
 
     from labkit.parallel.memory import Numerics, memory_breakdown

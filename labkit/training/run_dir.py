@@ -34,7 +34,8 @@ from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.training import checkpoint
 from labkit.weights.convert import TOKENIZER_FILES, run_tokenizer
-from labkit.weights.pairs import STRUCTURE, check_converted, ParamDtype, check_tokenizer_fits, check_weights, tokenizer_span
+from labkit.weights.pairs import (STRUCTURE, ParamDtype, check_converted, check_tokenizer_fits, check_weights,
+                                  tokenizer_span)
 from labkit.weights.formats import ckpt_index, weights_file
 
 

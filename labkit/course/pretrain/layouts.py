@@ -38,8 +38,8 @@ def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_atte
     step = mix(lo["step_time_s"], hi["step_time_s"])
     tokens = micro_batch * dp * accum * seq_len
     row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": str(lay.recompute),
-           "optimizer_shard": lay.optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
-           "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
+           "optimizer_shard": lay.optimizer_shard, "memory_gib": mem, "step_time_s": step,
+           "tokens_per_s": tokens / step, "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
            "fits": mem["total"] <= memory_gib}
     if not row["fits"]:
         states = mem["weights"] + mem["gradients"] + mem["optimizer"]

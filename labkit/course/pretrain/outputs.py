@@ -62,7 +62,8 @@ def mindformers_yaml(run: PretrainRun) -> str:
         "context": context,
         "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
             run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch,
-            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))}, "arch": {"type": "LlamaForCausalLM"}},
+            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))},
+                  "arch": {"type": "LlamaForCausalLM"}},
         "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
                       "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
                                     "vocab_file": str(Path(c.data.tokenizer) / "tokenizer.model")}},

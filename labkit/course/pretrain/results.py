@@ -156,7 +156,8 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     machine = Machine(devices, memory, device=dev, nodes=max(1, devices // dev.devices_per_node))
     layout = Layout(dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
                     optimizer_shard=p.optimizer_shard)
-    row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention)
+    flash = backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention
+    row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=flash)
     m = row["memory_gib"]
     tokens_per_step = t.micro_batch * dp * t.accum * cfg.data.seq_len
     return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",
