@@ -53,12 +53,13 @@ def msrun_args(cluster: Cluster, *, log_dir, tail_worker_log: str | None = None,
     return cmd
 
 
-def msrun_command(strategy: dict, nodes: int = 1, *, node_rank: int = 0, master_addr: str = "127.0.0.1",
+def msrun_command(layout, nodes: int = 1, *, node_rank: int = 0, master_addr: str = "127.0.0.1",
                   master_port: int = 8118, log_dir: str = "output/msrun_log",
                   script: str = "run_mindformer.py --config pretrain_llama2_7b.yaml --use_parallel True "
                                 "--run_mode train") -> str:
-    """The msrun line that starts a planner strategy's workers on one node (run it on every node with its rank)."""
-    devices = strategy["dp"] * strategy["mp"] * strategy["pp"]
+    """The msrun line that starts a layout's (labkit.config.Layout) workers on one node (run it on every node with
+    its rank)."""
+    devices = layout.devices
     if nodes < 1 or devices % nodes:
         raise LabkitError(f"{devices} devices do not split evenly over {nodes} nodes")
     multi = nodes > 1

@@ -18,7 +18,7 @@ from labkit.config import RECOMPUTE, Layout, ModelConfig, Recompute
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import flops_per_token, num_params, param_counts
-from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS, mindformers_parallel_yaml
+from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
 from labkit.parallel.memory import (PRECISIONS, Numerics, bytes_per_param, memory_breakdown, precision_of,
                                     stage_params)
@@ -78,6 +78,43 @@ class Setting:
     sequence_parallel: bool
     overhead_gib: float
     constraints: dict  # pinned strategy keys (None = searched)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy the planner judged: its layout, memory per device by part (GiB: weights, gradients, optimizer,
+    activations, overhead, total) on the most loaded `stage`, time per step (and by part), throughput, MFU, and
+    whether it fits (if not, `why_not`)."""
+
+    layout: Layout
+    memory_gib: dict
+    stage: str  # only, first or last
+    params_per_device: int
+    step_time_s: float
+    time_s: dict  # by part: compute, bubble, tp_comm, pp_comm, dp_comm
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    fits: bool
+    why_not: str | None = None
+
+    dp = property(lambda self: self.layout.dp)
+    mp = property(lambda self: self.layout.mp)
+    pp = property(lambda self: self.layout.pp)
+    micro_batch = property(lambda self: self.layout.micro_batch)
+    accum = property(lambda self: self.layout.accum)
+    optimizer_shard = property(lambda self: self.layout.optimizer_shard)
+
+    @property
+    def recompute(self) -> str:
+        """The layout's recomputation as text: the planner's mode (none, selective, full), or `last:K` and the like."""
+        return self.layout.row()["recompute"]
+
+    def to_dict(self) -> dict:
+        """As JSON holds it (`labkit plan --json`): the layout's keys, then the figures."""
+        out = {**self.layout.row(), **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                       if f.name != "layout"}}
+        return out if self.why_not else {k: v for k, v in out.items() if k != "why_not"}
 
 
 # --------------------------------------------------------------------------------------------- time model
@@ -145,7 +182,7 @@ def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, globa
             skipped[reason] = skipped.get(reason, 0) + 1
         else:
             strategies.append(strategy_row(model_cfg, st, cand))
-    strategies.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], r["memory_gib"]["total"]))
+    strategies.sort(key=lambda r: (not r.fits, -r.tokens_per_s, r.memory_gib["total"]))
     return _result(model_cfg, st, strategies, skipped)
 
 
@@ -187,27 +224,31 @@ def candidates(cfg: ModelConfig, st: Setting):
                 cand = Layout(dp=dp, mp=mp, pp=pp, micro_batch=mb, accum=accum, recompute=Recompute(rc),
                               optimizer_shard=osh, sequence_parallel=st.sequence_parallel and mp > 1)
                 row = cand.row()
-                if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in CONSTRAINT_KEYS):
+                if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in Layout.KEYS):
                     continue
                 yield cand, why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
                                     if pp > 1 and accum < pp else None)
 
 
-def strategy_row(cfg: ModelConfig, st: Setting, layout: Layout) -> dict:
-    """One strategy's row: memory per device by part, time per step by part, throughput, MFU, whether it fits."""
+def strategy_row(cfg: ModelConfig, st: Setting, layout: Layout) -> Strategy:
+    """One strategy: memory per device by part, time per step by part, throughput, MFU, whether it fits."""
     mem = memory_breakdown(cfg, layout, seq_len=st.seq_len, numerics=st.numerics, overhead_gib=st.overhead_gib)
     t = step_time(cfg, layout, st)
-    fits = mem["total"] <= st.memory_gib
     parts = {k: v for k, v in mem.items() if k not in ("stage", "params")}
-    row = {**layout.row(), "memory_gib": _rounded(parts), "stage": mem["stage"], "params_per_device":
-           int(mem["params"]), "step_time_s": round(t["step_time_s"], 4), "time_s": _rounded(t["time_s"], 4),
-           "tokens_per_s": round(t["tokens_per_s"], 1), "tokens_per_s_per_device":
-           round(t["tokens_per_s_per_device"], 1), "mfu": round(t["mfu"], 4), "fits": fits}
-    if not fits:
-        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {st.memory_gib:g} GiB: model states {states:.1f} + "
-                          f"activations {mem['activations']:.1f} + overhead {st.overhead_gib:.1f}")
-    return row
+    return Strategy(layout=layout, memory_gib=_rounded(parts), stage=mem["stage"], params_per_device=int(mem["params"]),
+                    step_time_s=round(t["step_time_s"], 4), time_s=_rounded(t["time_s"], 4),
+                    tokens_per_s=round(t["tokens_per_s"], 1),
+                    tokens_per_s_per_device=round(t["tokens_per_s_per_device"], 1), mfu=round(t["mfu"], 4),
+                    fits=mem["total"] <= st.memory_gib, why_not=why_not(mem, st.memory_gib))
+
+
+def why_not(mem: dict, memory_gib: float) -> str | None:
+    """Why a strategy with memory breakdown `mem` (GiB by part) does not fit in `memory_gib`; None when it fits."""
+    if mem["total"] <= memory_gib:
+        return None
+    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+    return (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
+            f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
 
 
 def numerics_of(result: dict) -> Numerics:
@@ -217,19 +258,18 @@ def numerics_of(result: dict) -> Numerics:
                     flash_attention=result["flash_attention"], fused_norm=a["fused_norm"], fused_silu=a["fused_silu"])
 
 
-def layer_line(cfg: ModelConfig, result: dict, row: dict) -> dict[str, float]:
-    """Bytes one decoder layer adds to `row`'s memory per device, by part: the planner's figure for the model minus
-    its figure for the same model with one layer fewer (same strategy and assumptions, not rounded). With pp > 1
-    this is the layer's share on the most loaded stage."""
-    layout = Layout.of(row, sequence_parallel=result["assumptions"]["sequence_parallel"] and row["mp"] > 1)
+def layer_line(cfg: ModelConfig, result: dict, strategy: Strategy) -> dict[str, float]:
+    """Bytes one decoder layer adds to the strategy's memory per device, by part: the planner's figure for the model
+    minus its figure for the same model with one layer fewer (same strategy and assumptions, not rounded). With
+    pp > 1 this is the layer's share on the most loaded stage."""
     kw = dict(seq_len=result["seq_len"], numerics=numerics_of(result))
-    whole = memory_breakdown(cfg, layout, **kw)
-    fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), layout, **kw)
+    whole = memory_breakdown(cfg, strategy.layout, **kw)
+    fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), strategy.layout, **kw)
     return {k: (whole[k] - fewer[k]) * GIB for k in ("weights", "gradients", "optimizer", "activations")}
 
 
 def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> dict:
-    best = next((r for r in strategies if r["fits"]), None)
+    best = next((r for r in strategies if r.fits), None)
     n = st.numerics
     bpp = bytes_per_param(n.precision, n.master_weights)
     result = {
@@ -257,7 +297,7 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
     if not result["strategies"]:
         reasons = "; ".join(f"{k} ({n})" for k, n in result["skipped"].items()) or "no candidate"
         return f"no valid strategy matches: {reasons}"
-    smallest = min(result["strategies"], key=lambda r: r["memory_gib"]["total"])
+    smallest = min(result["strategies"], key=lambda r: r.memory_gib["total"])
     states = result["assumptions"]["model_states_gib_unsharded"]
     usable = mem - result["assumptions"]["overhead_gib"]
     need = max(2, math.ceil(states / usable)) if usable > 0 else None
@@ -265,9 +305,9 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
             f"({result['assumptions']['bytes_per_param']['total']} bytes x {num_params(cfg):,} parameters), so "
             f"plan for at least {need} devices of {mem:g} GiB and shard them (mp, pp, optimizer_shard)"
             if need else "")
-    return (f"nothing fits in {mem:g} GiB: the smallest strategy (dp={smallest['dp']} mp={smallest['mp']} "
-            f"pp={smallest['pp']}, micro_batch {smallest['micro_batch']}, recompute {smallest['recompute']}) needs "
-            f"{smallest['memory_gib']['total']:.1f} GiB{hint}")
+    return (f"nothing fits in {mem:g} GiB: the smallest strategy (dp={smallest.dp} mp={smallest.mp} "
+            f"pp={smallest.pp}, micro_batch {smallest.micro_batch}, recompute {smallest.recompute}) needs "
+            f"{smallest.memory_gib['total']:.1f} GiB{hint}")
 
 
 def _splits(devices: int):
@@ -294,9 +334,9 @@ def _invalid_split(cfg: ModelConfig, global_batch: int, dp: int, mp: int, pp: in
 
 def _check_constraints(constraints: dict | None) -> dict:
     constraints = dict(constraints or {})
-    unknown = set(constraints) - set(CONSTRAINT_KEYS)
+    unknown = set(constraints) - set(Layout.KEYS)
     if unknown:
-        raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(CONSTRAINT_KEYS)}")
+        raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(Layout.KEYS)}")
     rc = constraints.get("recompute")
     if rc is not None:
         rc = Layout(recompute=Recompute.parse(rc, "constraint recompute")).row()["recompute"]
@@ -320,19 +360,19 @@ def format_table(result: dict, top: int = 15) -> str:
             f"{'GiB':>7} {'states':>7} {'acts':>6} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5}  fits")
     lines = [head, "-" * len(head)]
     for r in result["strategies"][:top]:
-        m = r["memory_gib"]
+        m = r.memory_gib
         states = m["weights"] + m["gradients"] + m["optimizer"]
-        lines.append(f"{r['dp']:>3} {r['mp']:>3} {r['pp']:>3} {r['micro_batch']:>3} {r['accum']:>4} "
-                     f"{r['recompute']:>9} {'on' if r['optimizer_shard'] else '-':>4} {m['total']:>7.1f} "
-                     f"{states:>7.1f} {m['activations']:>6.1f} {r['step_time_s']:>8.2f} "
-                     f"{r['tokens_per_s_per_device']:>9.0f} {r['mfu']:>5.0%}  {'yes' if r['fits'] else 'no'}")
+        lines.append(f"{r.dp:>3} {r.mp:>3} {r.pp:>3} {r.micro_batch:>3} {r.accum:>4} "
+                     f"{r.recompute:>9} {'on' if r.optimizer_shard else '-':>4} {m['total']:>7.1f} "
+                     f"{states:>7.1f} {m['activations']:>6.1f} {r.step_time_s:>8.2f} "
+                     f"{r.tokens_per_s_per_device:>9.0f} {r.mfu:>5.0%}  {'yes' if r.fits else 'no'}")
     more = len(result["strategies"]) - top
     if more > 0:
         lines.append(f"... {more} more (--top N or --json for all)")
     return "\n".join(lines)
 
 
-def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: int = 12):
+def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit: int = 12):
     """Stacked bars of the per-device memory parts for some strategies, with the device memory as a line."""
     import matplotlib.pyplot as plt
 
@@ -343,14 +383,14 @@ def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: in
     bottom = [0.0] * len(rows)
     x = range(len(rows))
     for part in parts:
-        vals = [r["memory_gib"][part] for r in rows]
+        vals = [r.memory_gib[part] for r in rows]
         ax.bar(x, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(result["device_memory_gib"], color="k", ls="--", lw=1, label="device memory")
     ax.set_ylim(0, max(max(bottom, default=0), result["device_memory_gib"]) * 1.3)  # room for the legend
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r['dp']}/{r['mp']}/{r['pp']}\n{r['recompute'][:4]}{' Z' if r['optimizer_shard'] else ''}"
-                        f"\nmb{r['micro_batch']}" for r in rows], fontsize=7)
+    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}\n{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
+                        f"\nmb{r.micro_batch}" for r in rows], fontsize=7)
     ax.set_ylabel("GiB per device")
     ax.set_xlabel("dp/mp/pp, recompute, Z = optimizer shard, micro-batch")
     ax.legend(fontsize=7, ncol=3)
@@ -422,8 +462,8 @@ def _cli(args) -> int:
                                     flash_attention=not args.no_flash_attention and args.device != "cpu"))
     best = result["best"]
     if best:
-        result["mindformers_yaml"] = mindformers_parallel_yaml(best)
-        result["msrun"] = msrun_command(best, result["nodes"])
+        result["mindformers_yaml"] = mindformers_parallel_yaml(best.layout)
+        result["msrun"] = msrun_command(best.layout, result["nodes"])
     text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
             f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {precision}, efficiency "
             f"{args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
@@ -433,5 +473,7 @@ def _cli(args) -> int:
         text += ["best:", result["mindformers_yaml"], result["msrun"]]
     else:
         text.append(f"no strategy fits: {result['why']}")
-    emit(args, {"ok": True, **result}, "\n".join(text))
+    as_json = {**result, "strategies": [r.to_dict() for r in result["strategies"]],
+               "best": best.to_dict() if best else None}
+    emit(args, {"ok": True, **as_json}, "\n".join(text))
     return 0

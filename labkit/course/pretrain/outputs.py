@@ -15,11 +15,11 @@ def layout_table(run: PretrainRun, top: int = 8):
     import pandas as pd
 
     rows = [run.strategy] + run.alternatives[:top - 1]
-    return pd.DataFrame([{"chosen": r is run.strategy, "dp": r["dp"], "mp": r["mp"], "pp": r["pp"],
-                          "micro_batch": r["micro_batch"], "accum": r["accum"], "recompute": r["recompute"],
-                          "optimizer_shard": r["optimizer_shard"], "GiB/device": r["memory_gib"]["total"],
-                          "fits": r["fits"], "s/step": round(r["step_time_s"], 3),
-                          "tokens/s/device": round(r["tokens_per_s_per_device"]), "MFU": round(r["mfu"], 3)}
+    return pd.DataFrame([{"chosen": r is run.strategy, "dp": r.dp, "mp": r.mp, "pp": r.pp,
+                          "micro_batch": r.micro_batch, "accum": r.accum, "recompute": str(r.layout.recompute),
+                          "optimizer_shard": r.optimizer_shard, "GiB/device": r.memory_gib["total"],
+                          "fits": r.fits, "s/step": round(r.step_time_s, 3),
+                          "tokens/s/device": round(r.tokens_per_s_per_device), "MFU": round(r.mfu, 3)}
                          for r in rows])
 
 
@@ -34,8 +34,8 @@ def mindformers_yaml(run: PretrainRun) -> str:
 
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
     mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
-    par = mf_yaml.mindformers_parallel_config({**s, "recompute": t.recompute}, parallel_mode=mode,
-                                              search_mode=p.search_mode, num_layers=run.model.num_layers)
+    par = mf_yaml.mindformers_parallel_config(s.layout, parallel_mode=mode, search_mode=p.search_mode,
+                                              num_layers=run.model.num_layers)
     par["use_parallel"] = run.devices > 1
     dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": c.data.dataset or "", "shuffle": c.data.shuffle},
                "input_columns": ["input_ids"], "num_parallel_workers": c.data.num_parallel_workers,
@@ -77,7 +77,7 @@ def mindformers_yaml(run: PretrainRun) -> str:
             f"# Start: see launch.sh. Differences from labkit's own loop: mindformers trains `epochs` passes over\n"
             f"# the dataset (no step limit: choose epochs x samples / global batch {t.global_batch} ~ steps "
             f"{t.steps});\n# recompute [n] recomputes the first n layers of each pipeline stage (labkit: "
-            f"{t.recompute!r}, the same memory).\n")
+            f"{str(t.recompute)!r}, the same memory).\n")
     return head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 
@@ -153,7 +153,8 @@ def config_texts(run: PretrainRun) -> dict[str, str]:
         "mindformers.yaml": mindformers_yaml(run),
         "plan.json": json.dumps({"preset": run.preset, "devices": run.devices, "nodes": run.nodes,
                                  "device": run.device.name, "device_memory_gib": run.device_memory_gib,
-                                 "strategy": run.strategy, "alternatives": run.alternatives[:10],
+                                 "strategy": run.strategy.to_dict(),
+                                 "alternatives": [r.to_dict() for r in run.alternatives[:10]],
                                  "can_train_here": run.can_train, "why_not": run.why_not}, indent=1, default=str),
         "launch.sh": "\n".join(
             ["#!/bin/sh", f"# Commands for this run ({run.devices} devices on {run.nodes} node(s)).", "",

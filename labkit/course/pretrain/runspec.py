@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import Layout, Recompute, RunConfig, coerce, load, load_run_config, set_value, to_dict
+from labkit.config import Layout, RunConfig, coerce, load, load_run_config, set_value, to_dict
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
@@ -46,8 +46,8 @@ class PretrainRun:
     node_rank: int
     master_addr: str | None
     master_port: int | None
-    strategy: dict  # the planner's row for the chosen layout (memory_gib, step_time_s, tokens_per_s, mfu, fits)
-    alternatives: list  # other layouts the planner judged, best first
+    strategy: object  # labkit.parallel.planner.Strategy of the chosen layout (memory_gib, step_time_s, mfu, fits)
+    alternatives: list  # other layouts' Strategy the planner judged, best first
     can_train: bool  # the devices are here
     why_not: str | None  # why this machine does not train
     output_dir: Path
@@ -62,7 +62,7 @@ class PretrainRun:
 
     def describe(self) -> str:
         t, p, s = self.cfg.train, self.cfg.parallel, self.strategy
-        m = s["memory_gib"]
+        m = s.memory_gib
         lines = [f"preset {self.preset}: {self.model.name}, {num_params(self.model):,} parameters; "
                  f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
                  f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
@@ -73,9 +73,9 @@ class PretrainRun:
                  f"memory per device (planner): {m['total']:.1f} of {self.device_memory_gib:g} GiB = weights "
                  f"{m['weights']:.1f} + gradients {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + "
                  f"activations {m['activations']:.2f} + overhead {m['overhead']:.1f} -> "
-                 + ("fits" if s["fits"] else "DOES NOT FIT"),
-                 f"predicted: {s['step_time_s']:.3g} s/step, {s['tokens_per_s_per_device']:,.0f} tokens/s per "
-                 f"device, MFU {s['mfu']:.0%}",
+                 + ("fits" if s.fits else "DOES NOT FIT"),
+                 f"predicted: {s.step_time_s:.3g} s/step, {s.tokens_per_s_per_device:,.0f} tokens/s per "
+                 f"device, MFU {s.mfu:.0%}",
                  f"output: {self.output_dir}",
                  "will train here" if self.can_train else f"plan only, no training here: {self.why_not}"]
         derived = [f"  {k} = {getattr_dotted(self.cfg, PARAMS[k].field) if PARAMS[k].field else v[0]}  ({v[1]})"
@@ -259,7 +259,7 @@ class Search:
     rows: list
 
     @property
-    def best(self) -> dict:
+    def best(self):
         return self.rows[0]
 
 
@@ -304,51 +304,51 @@ def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
                           + "; ".join(f"{k}: {v}" for k, v in reasons.items()),
                           "micro_batch x dp x accum must equal global_batch: change micro_batch/accum/"
                           "global_batch, or leave micro_batch and accum None to derive them")
-    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], -r["dp"]))
+    rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s, -r.dp))
     best, memory = rows[0], place.memory_gib
-    if not best["fits"]:
+    if not best.fits:
         raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device (device_memory_gib): "
-                          f"{best['why_not']} "
-                          f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
-                          f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
-                          f"{best['optimizer_shard']})",
+                          f"{best.why_not} "
+                          f"(dp {best.dp} x mp {best.mp} x pp {best.pp}, micro_batch "
+                          f"{best.micro_batch}, recompute {best.layout.recompute}, optimizer_shard "
+                          f"{best.optimizer_shard})",
                           _memory_fix(s.model, Machine(place.devices, memory, device=dev, nodes=place.nodes), s.cfg,
-                                      pin.global_batch or best["micro_batch"] * best["dp"] * best["accum"], flash))
+                                      pin.global_batch or best.micro_batch * best.dp * best.accum, flash))
     return Search(device=dev, rows=rows)
 
 
 def _chosen_sources(s: Settings, pin: Pinned, found: Search) -> dict:
     """Where the layout and batch values that were left None came from."""
     best, t, given = found.best, s.cfg.train, s.given
-    fitting = sum(r["fits"] for r in found.rows)
+    fitting = sum(r.fits for r in found.rows)
     how = {"dp": f"planner's best of {fitting} fitting layouts", "mp": f"planner's best of {fitting} fitting layouts",
            "pp": f"planner's best of {fitting} fitting layouts",
-           "micro_batch": "config" if best["micro_batch"] == t.micro_batch else
+           "micro_batch": "config" if best.micro_batch == t.micro_batch else
            f"config's {t.micro_batch}, lowered to divide global_batch / dp",
            "accum": "global_batch / (micro_batch x dp)",
            "global_batch": "config" if pin.global_batch else "micro_batch x dp x accum"}
-    return {name: (best[name] if name in ("dp", "mp", "pp") else None, why)
+    return {name: (getattr(best, name) if name in ("dp", "mp", "pp") else None, why)
             for name, why in how.items() if given[name] is None}
 
 
-def _parallel_mode(devices: int, target: str, configured: str | None, best: dict, shard: bool) -> str:
+def _parallel_mode(devices: int, target: str, configured: str | None, best, shard: bool) -> str:
     if devices == 1:
         return "stand_alone"
     if target == "CPU":
         return "data_parallel"
     if configured in ("semi_auto_parallel", "auto_parallel"):
         return configured
-    return "semi_auto_parallel" if (best["mp"] > 1 or best["pp"] > 1 or shard) else "data_parallel"
+    return "semi_auto_parallel" if (best.mp > 1 or best.pp > 1 or shard) else "data_parallel"
 
 
-def _final_config(s: Settings, place: Placement, best: dict, shard: bool, out: Path) -> RunConfig:
+def _final_config(s: Settings, place: Placement, best, shard: bool, out: Path) -> RunConfig:
     """The run config with the chosen layout and batch, output_dir and the user paths made absolute."""
     data = copy.deepcopy(s.data)
     mode = _parallel_mode(place.devices, s.cfg.parallel.device_target, s.base.parallel.parallel_mode, best, shard)
-    for key, value in (("parallel.dp", best["dp"]), ("parallel.mp", best["mp"]), ("parallel.pp", best["pp"]),
+    for key, value in (("parallel.dp", best.dp), ("parallel.mp", best.mp), ("parallel.pp", best.pp),
                        ("parallel.optimizer_shard", shard), ("parallel.parallel_mode", mode),
-                       ("train.micro_batch", best["micro_batch"]), ("train.accum", best["accum"]),
-                       ("train.global_batch", best["micro_batch"] * best["dp"] * best["accum"])):
+                       ("train.micro_batch", best.micro_batch), ("train.accum", best.accum),
+                       ("train.global_batch", best.micro_batch * best.dp * best.accum)):
         set_value(data, key, value)
     data["output_dir"] = str(out)
     for key in ("dataset", "tokenizer", "init_checkpoint"):
@@ -369,7 +369,7 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     pin = _pinned(s, place)
     found = _search(s, place, pin)
     given, best = s.given, found.best
-    shard = pin.optimizer_shard and best["optimizer_shard"]
+    shard = pin.optimizer_shard and best.optimizer_shard
     scratch = given["output_dir"] is None
     out = (RUNS / "pretrain" / s.preset) if scratch else _caller_base() / Path(given["output_dir"]).expanduser()
     sources = {**{k: (v, "parameter") for k, v in given.items() if v is not None}, **place.sources, **pin.sources,
@@ -428,15 +428,15 @@ def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) 
         res = planner.plan(model, machine, seq_len=cfg.data.seq_len, global_batch=global_batch,
                            numerics=Numerics(precision=precision, master_weights=master, flash_attention=flash),
                            constraints=cons)
-        found += [r for r in res["strategies"] if r["fits"]]
+        found += [r for r in res["strategies"] if r.fits]
         why = res["why"]
     if not found:
         return f"the planner finds no fitting strategy at all: {why}"
-    b = max(found, key=lambda r: r["tokens_per_s"])
-    rc = Recompute.parse(b["recompute"])
-    return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b['dp']} -p mp "
-            f"{b['mp']} -p pp {b['pp']} -p micro_batch {b['micro_batch']} -p recompute {rc} -p optimizer_shard "
-            f"{b['optimizer_shard']} ({b['memory_gib']['total']:.1f} GiB)")
+    b = max(found, key=lambda r: r.tokens_per_s)
+    rc = b.layout.recompute
+    return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b.dp} -p mp "
+            f"{b.mp} -p pp {b.pp} -p micro_batch {b.micro_batch} -p recompute {rc} -p optimizer_shard "
+            f"{b.optimizer_shard} ({b.memory_gib['total']:.1f} GiB)")
 
 
 # ---------------------------------------------------------------------------------------------- the 7B recipes
