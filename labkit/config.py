@@ -137,13 +137,17 @@ def load(cls, data: dict | None, where: str = ""):
 
 
 def to_dict(obj) -> dict:
-    """A config as plain data, as YAML writes it (a Recompute as its text)."""
+    """A config as plain data, as YAML writes it (a Recompute as its text; a run's model as `preset: NAME` plus the
+    fields that differ from the preset, when its name is a preset's)."""
     return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
 
 
 def _plain(value):
     if isinstance(value, Recompute):
         return str(value)
+    if isinstance(value, ModelConfig) and value.name in MODEL_PRESETS:
+        mine, preset = to_dict(value), to_dict(model_preset(value.name))
+        return {"preset": value.name, **{k: v for k, v in mine.items() if v != preset[k]}}
     if dataclasses.is_dataclass(value):
         return to_dict(value)
     if isinstance(value, (list, tuple)):
@@ -526,7 +530,7 @@ class RunConfig:
     """A whole training run, as in configs/*.yaml."""
 
     model: ModelConfig = field(default_factory=lambda: model_preset("tiny"))  # YAML: `preset: NAME` plus overrides,
-    # or every ModelConfig field
+    # or the ModelConfig fields
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
