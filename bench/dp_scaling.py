@@ -42,12 +42,13 @@ def main(argv=None) -> int:
 
         root = lab_path(args.output)
         n, b = args.workers, args.micro_batch
-        common = dict(steps=args.steps, overwrite=True, progress=not args.json,
-                      overrides=["train.save_every=0", "train.keep_checkpoints=1", "train.global_batch=null"])
+        sets = ["train.save_every=0", "train.keep_checkpoints=1", "train.global_batch=null"]
         runs = {}
         for w, mb in ((1, n * b), (n, b)):
             t = time.perf_counter()
-            res = launch.launch("configs/tiny_cpu.yaml", w, output=root / f"{w}w", micro_batch=mb, **common)
+            spec = launch.LaunchSpec("configs/tiny_cpu.yaml", w, sets, output=root / f"{w}w", micro_batch=mb,
+                                     steps=args.steps, overwrite=True)
+            res = launch.launch(spec, progress=not args.json)
             if not res.ok:
                 print(res.report(), file=sys.stderr)
                 return 1
@@ -56,7 +57,8 @@ def main(argv=None) -> int:
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
                        "step_s": statistics.median(r["step_time_s"] for r in rows),
                        "first_step_s": json.loads(Path(res.metrics).read_text().splitlines()[0])["step_time_s"]}
-        probe = probe.measure_allreduce("tiny", workers=n, repeats=args.repeats, output=root / "allreduce")
+        probe = probe.measure_allreduce("tiny", workers=n, timings=probe.AllreduceTimings(repeats=args.repeats),
+                                        output=root / "allreduce")
         g = probe["model_grads"]
         result = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "runs": list(runs.values()),
                   "speedup": runs[n]["tokens_per_s"] / runs[1]["tokens_per_s"], "backend": probe["backend"],

@@ -126,13 +126,15 @@ class DataDrill(Drill):
 
     def setup(self):
         from labkit.data.corpus import iter_documents
+        from labkit.config import DataConfig
         from labkit.data.dataset import build_dataset
 
         docs = [d.text for _, d in zip(range(3000), iter_documents())]
         self.corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
         # the previous output, written in this process (the function `labkit data build` calls; the command's own
         # process start, ~10 s of imports, is timed and killed below)
-        build_dataset([self.corpus], self.tokenizer, self.seq_len, self.dst, progress=False, overwrite=True)
+        build_dataset(DataConfig(corpus=[self.corpus], tokenizer=self.tokenizer, seq_len=self.seq_len),
+                      self.dst, progress=False, overwrite=True)
 
     @property
     def dst(self) -> Path:

@@ -162,12 +162,14 @@ def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
     """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm and SiLU."""
     from labkit.parallel.devices import GIB
     from labkit.model.shapes import flops_per_token
-    from labkit.parallel.memory import adamw_early_bytes, memory_breakdown
+    from labkit.config import Layout, Recompute
+    from labkit.parallel.memory import Numerics, adamw_early_bytes, memory_breakdown
     from labkit.parallel.planner import DEFAULT_EFFICIENCY
 
     cfg = model_config(c)
-    m = memory_breakdown(cfg, seq_len=c["seq"], micro_batch=c["batch"], recompute=c["recompute"],
-                         precision="fp32", flash_attention=False, fused_norm=False, fused_silu=False)
+    m = memory_breakdown(cfg, Layout(micro_batch=c["batch"], recompute=Recompute.parse(c["recompute"])),
+                         seq_len=c["seq"], numerics=Numerics(precision="fp32", flash_attention=False,
+                                                             fused_norm=False, fused_silu=False))
     mb = GIB / 2**20
     adamw_mb = adamw_early_bytes(m["params"]) / 2**20
     fl = c["batch"] * c["seq"] * flops_per_token(cfg, c["seq"], c["recompute"])["hardware"]
@@ -299,8 +301,9 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
                     "seconds": round(time.time() - t0, 1)},
         "notes": [
             "pool = MindSpore's memory-pool peak of live tensors ('peak used mem', whole MiB rounded down), at the end "
-            "of the forward pass; compared with the activations of labkit.parallel.memory.memory_breakdown(precision='fp32', "
-            "flash_attention=False, fused_norm=False, fused_silu=False) + AdamW's fp32 weight-decay products "
+            "of the forward pass; compared with the activations of labkit.parallel.memory.memory_breakdown(numerics="
+            "Numerics(precision='fp32', flash_attention=False, fused_norm=False, fused_silu=False)) + AdamW's fp32 "
+            "weight-decay products "
             "(labkit.parallel.memory.adamw_early_bytes, 4 bytes per parameter, computed at the start of the step). The fixed "
             "rest (~4 MiB: the embedding's first AdamW moment product, RoPE tables) cancels in the differences",
             "span = the pool's address span ('actual peak used mem'): live bytes plus the holes its best-fit "

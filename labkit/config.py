@@ -47,6 +47,10 @@ def coerce(value: Any, tp, where: str):
         if not isinstance(value, dict):
             raise LabkitError(f"{where} must be a mapping, got {value!r}")
         return dict(value)
+    if tp is Recompute:
+        return Recompute.parse(value, where)
+    if tp is ModelConfig and isinstance(value, dict) and "preset" in value:
+        return model_from_section(value, where)
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else load(tp, value, where)
     if tp is Any:
@@ -133,7 +137,24 @@ def load(cls, data: dict | None, where: str = ""):
 
 
 def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)
+    """A config as plain data, as YAML writes it (a Recompute as its text; a run's model as `preset: NAME` plus the
+    fields that differ from the preset, when its name is a preset's)."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+
+
+def _plain(value):
+    if isinstance(value, Recompute):
+        return str(value)
+    if isinstance(value, ModelConfig) and value.name in MODEL_PRESETS:
+        mine, preset = to_dict(value), to_dict(model_preset(value.name))
+        return {"preset": value.name, **{k: v for k, v in mine.items() if v != preset[k]}}
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -153,15 +174,30 @@ def set_dotted(data: dict, assignment: str) -> dict:
     if "=" not in assignment:
         raise LabkitError(f"--set {assignment!r} has no '='", "write --set key=value, e.g. --set train.lr=3e-4")
     key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else None
+    return set_value(data, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+
+
+def set_value(data: dict, key: str, value) -> dict:
+    """Set dotted `key` (`a.b`) of a nested mapping to `value` as it is (typed, not parsed), in place."""
     node = data
-    parts = key.strip().split(".")
+    parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise LabkitError(f"--set {key}: '{part}' is not a section")
     node[parts[-1]] = value
     return data
+
+
+# the command-line flags of `labkit train` and `labkit launch` that set a config field, and that field
+RUN_FLAGS = {"steps": "train.steps", "micro_batch": "train.micro_batch", "accum": "train.accum",
+             "seed": "train.seed", "output": "output_dir"}
+
+
+def flag_values(source) -> dict:
+    """RUN_FLAGS' fields with the values `source` (argparse namespace, LaunchSpec) gives them; None ones left out."""
+    values = {key: getattr(source, flag, None) for flag, key in RUN_FLAGS.items()}
+    return {k: str(v) if k == "output_dir" else v for k, v in values.items() if v is not None}
 
 
 def _positive(obj, where: str, *names: str):
@@ -243,12 +279,156 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
+def model_from_section(section: dict, where: str = "model") -> ModelConfig:
+    """A run config's `model:` section: `preset: NAME` plus ModelConfig overrides, or the ModelConfig fields."""
+    spec = dict(section)
+    preset = spec.pop("preset", None)
+    if preset:
+        return model_preset(str(preset), **spec)
+    return load(ModelConfig, spec, where)
+
+
 def model_preset(name: str, **overrides) -> ModelConfig:
     if name not in MODEL_PRESETS:
         close = difflib.get_close_matches(name, list(MODEL_PRESETS), n=1)
         raise LabkitError(f"unknown model preset '{name}'",
                           f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(MODEL_PRESETS)}")
     return load(ModelConfig, {"name": name, **MODEL_PRESETS[name], **overrides}, "model")
+
+
+# -------------------------------------------------------------------------------------------- recompute
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation: what each recomputed decoder layer recomputes in the backward pass (`mode`:
+    none; selective = the attention core; full = the whole layer from its input) and which layers do it.
+
+    The layers are a slice of the layer list, `start` to `stop` (exclusive; None = through the last layer); a
+    negative `start` counts from the end. Written as text (YAML, `--set`, parameters) in one of RECOMPUTE_FORMS:
+    `all` = full on every layer, `last:K` = full on the last K, `first:K`, `A-B`; `selective` and `full` are the
+    planner's modes on every layer. str() gives the text back."""
+
+    mode: Literal["none", "selective", "full"] = "none"
+    start: int = 0
+    stop: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "train.recompute") -> Recompute:
+        """One of RECOMPUTE_FORMS (or true/false); a LabkitError naming `where` and the accepted forms if not."""
+        if isinstance(value, Recompute):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls("full") if value else cls()
+        s = str(value).strip().lower()
+        try:
+            if s in ("none", "off", "false", ""):
+                return cls()
+            if s in ("all", "full", "true", "on"):
+                return cls("full")
+            if s == "selective":
+                return cls("selective")
+            if s.startswith("last:"):
+                k = int(s[5:])
+                return cls("full", -k) if k > 0 else cls()
+            if s.startswith("first:"):
+                k = int(s[6:])
+                return cls("full", 0, k) if k > 0 else cls()
+            if "-" in s:
+                a, b = (int(x) for x in s.split("-"))
+                if 0 <= a <= b:
+                    return cls("full", a, b + 1)
+        except ValueError:
+            pass
+        raise LabkitError(f"{where} = {value!r} is not understood", f"use {RECOMPUTE_FORMS}")
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "none"
+        if self.start == 0 and self.stop is None:
+            return "all" if self.mode == "full" else self.mode
+        if self.start < 0:
+            return f"last:{-self.start}"
+        return f"first:{self.stop}" if self.start == 0 else f"{self.start}-{self.stop - 1}"
+
+    def layers(self, num_layers: int, where: str = "train.recompute") -> list[int]:
+        """The indices of the recomputed decoder layers of a `num_layers`-layer model."""
+        if self.mode == "none":
+            return []
+        if self.start > 0 and self.stop is not None and self.stop > num_layers:
+            raise LabkitError(f"{where} = {str(self)!r} names layers outside the model's",
+                              f"use {RECOMPUTE_FORMS} with layers 0..{num_layers - 1}")
+        return list(range(num_layers))[self.start:self.stop]
+
+    def fraction(self, num_layers: int) -> float:
+        return len(self.layers(num_layers)) / num_layers
+
+    def planner_modes(self, num_layers: int) -> dict[str, float]:
+        """The planner's whole-model modes (RECOMPUTE) and the weight of each: the planner's memory and time of
+        this recomputation are its rows for these modes, weighted (activations are per layer)."""
+        frac = self.fraction(num_layers)
+        if self.mode != "full" or frac in (0.0, 1.0):
+            return {self.mode if frac else "none": 1.0}
+        return {"none": 1 - frac, "full": frac}
+
+    def stage_counts(self, num_layers: int, pp: int) -> list[int]:
+        """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
+        each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
+        other n layers of the stage, so `last:16` becomes [16] with one stage."""
+        per = num_layers // pp
+        idx = self.layers(num_layers)
+        return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
+
+    def mindformers(self, num_layers: int | None = None, pp: int = 1) -> dict:
+        """mindformers' recompute_config keys `recompute` (true, or layers per stage when only some layers are)
+        and `select_recompute`. `num_layers` is needed only when some layers recompute and others do not."""
+        flags = {"recompute": self.mode == "full", "select_recompute": self.mode == "selective"}
+        if self.mode != "full" or (self.start == 0 and self.stop is None):
+            return flags
+        if num_layers is None:
+            raise LabkitError(f"recompute {str(self)!r} names some layers: mindformers counts them per pipeline stage",
+                              "give the model's num_layers")
+        frac = self.fraction(num_layers)
+        return {**flags, "recompute": frac == 1 if frac in (0.0, 1.0) else self.stage_counts(num_layers, pp)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over devices: data, tensor (model) and pipeline parallel sizes, samples per
+    device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded over dp, and
+    sequence parallel (the norms' activations split over mp as well)."""
+
+    dp: int = 1
+    mp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    accum: int = 1  # micro-steps per optimizer step (pipeline micro-batches with pp > 1)
+    recompute: Recompute = Recompute()
+    optimizer_shard: bool = False
+    sequence_parallel: bool = False
+
+    KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")  # a planner row's layout
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.mp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.accum
+
+    @classmethod
+    def of(cls, row: dict, sequence_parallel: bool = False) -> Layout:
+        """The layout of a planner row (or any mapping with the KEYS)."""
+        return cls(**{k: row[k] for k in cls.KEYS if k != "recompute"},
+                   recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel)
+
+    def row(self) -> dict:
+        """The KEYS as a planner row holds them (recompute as text: the planner's mode when every layer does it)."""
+        rc = self.recompute
+        whole = rc.mode == "none" or (rc.start == 0 and rc.stop is None)
+        return {"dp": self.dp, "mp": self.mp, "pp": self.pp, "micro_batch": self.micro_batch, "accum": self.accum,
+                "recompute": rc.mode if whole else str(rc), "optimizer_shard": self.optimizer_shard}
 
 
 # ------------------------------------------------------------------------------------------ training run
@@ -296,7 +476,7 @@ class TrainConfig:
     loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
     scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
     scale_factor: int = 2  # loss-scale growth/shrink factor
-    recompute: str = "none"  # activation recomputation: none | all | last:K | first:K | A-B (layer index range)
+    recompute: Recompute = Recompute()  # activation recomputation: none | all | last:K | first:K | A-B (layer range)
     seed: int = 1234  # model init, data order
     grad_norm_alert: float = 10.0  # warn when the global gradient norm exceeds this
     save_every: int = 0  # write a full training checkpoint every N steps (0 = only at the end)
@@ -349,29 +529,40 @@ class ParallelConfig:
 class RunConfig:
     """A whole training run, as in configs/*.yaml."""
 
-    model: dict = field(default_factory=lambda: {"preset": "tiny"})  # preset: NAME plus ModelConfig overrides
+    model: ModelConfig = field(default_factory=lambda: model_preset("tiny"))  # YAML: `preset: NAME` plus overrides,
+    # or the ModelConfig fields
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: str = "runs/train"  # run folder (relative to where you run)
 
     def validate(self, where: str = ""):
-        self.model_config()  # raises on bad model keys
+        self.train.recompute.layers(self.model.num_layers)  # raises on layers the model does not have
+        if self.train.recompute.mode == "selective":
+            raise LabkitError("train.recompute = 'selective' is a planner mode: labkit's trainer recomputes whole "
+                              "layers", "use none, all, last:K, first:K or A-B")
+
+    def layout(self) -> Layout:
+        """The run's parallel layout (dp None: 1)."""
+        t, p = self.train, self.parallel
+        return Layout(dp=p.dp or 1, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
+                      recompute=t.recompute, optimizer_shard=p.optimizer_shard)
 
     def model_config(self) -> ModelConfig:
-        spec = dict(self.model)
-        preset = spec.pop("preset", None)
-        if preset:
-            return model_preset(preset, **spec)
-        return load(ModelConfig, spec, "model")
+        """The model (`self.model`)."""
+        return self.model
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from YAML (or defaults) with `--set a.b=c` overrides applied, validated."""
-    data = read_yaml(path) if path else {}
+def load_run_config(path: str | Path | RunConfig | None = None, overrides: list[str] | tuple | None = None,
+                    values: dict | None = None) -> RunConfig:
+    """A RunConfig from YAML (or defaults, or a RunConfig) with `--set a.b=c` overrides, then `values` (dotted key
+    -> typed value, e.g. flag_values(args)) applied, validated."""
+    data = to_dict(path) if isinstance(path, RunConfig) else read_yaml(path) if path else {}
     for item in overrides or []:
         set_dotted(data, item)
-    where = str(path) if path else "config"
+    for key, value in (values or {}).items():
+        set_value(data, key, value)
+    where = str(path) if path and not isinstance(path, RunConfig) else "config"
     try:
         return load(RunConfig, data)
     except LabkitError as e:
@@ -397,27 +588,5 @@ AMP_LEVELS = {
 }
 
 
-def parse_recompute(spec: str, num_layers: int) -> list[int]:
-    """`none`, `all`, `last:K`, `first:K` or `A-B` (inclusive) → decoder-layer indices to recompute."""
-    s = (spec or "none").strip().lower()
-    try:
-        if s in ("none", "off", "false", ""):
-            return []
-        if s in ("all", "full", "true", "on"):
-            return list(range(num_layers))
-        if s.startswith("last:"):
-            k = int(s[5:])
-            return list(range(max(0, num_layers - k), num_layers))
-        if s.startswith("first:"):
-            return list(range(min(num_layers, int(s[6:]))))
-        if "-" in s:
-            a, b = (int(x) for x in s.split("-"))
-            if 0 <= a <= b < num_layers:
-                return list(range(a, b + 1))
-    except ValueError:
-        pass
-    raise LabkitError(f"train.recompute = {spec!r} is not understood",
-                      f"use none, all, last:K, first:K or A-B with layers 0..{num_layers - 1}")
-
-
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
+RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"

@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from labkit.config import DataConfig
 from labkit.data import dataset as D
 from labkit.data import bench as data_bench
 from labkit.data import loader
@@ -29,7 +30,8 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "ds"
-    return D.build_dataset([corpus], SHIPPED_TOKENIZER, SEQ, out, progress=False), out
+    return D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                           out, progress=False), out
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,8 @@ def test_build_packs_documents_with_eos(built, samples, corpus):
 
 def test_build_with_workers_is_identical(built, corpus, tmp_path):
     stats, out = built
-    s2 = D.build_dataset([corpus], SHIPPED_TOKENIZER, SEQ, tmp_path / "w2", workers=2, progress=False)
+    s2 = D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                         tmp_path / "w2", workers=2, progress=False)
     assert s2["n_samples"] == stats["n_samples"]
     assert (tmp_path / "w2" / D.RECORD).read_bytes() == (out / D.RECORD).read_bytes()
 
@@ -70,15 +73,19 @@ def test_bad_inputs_leave_nothing(tmp_path, corpus):
     out = tmp_path / "out"
     (tmp_path / "tiny.txt").write_text("hi", encoding="utf-8")
     with pytest.raises(LabkitError, match="fewer than one sample"):
-        D.build_dataset([tmp_path / "tiny.txt"], SHIPPED_TOKENIZER, SEQ, out, progress=False)
+        D.build_dataset(DataConfig(corpus=[tmp_path / "tiny.txt"], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                        out, progress=False)
     (tmp_path / "empty.txt").write_text("\n", encoding="utf-8")
     with pytest.raises(LabkitError, match="holds no text"):
-        D.build_dataset([tmp_path / "empty.txt"], SHIPPED_TOKENIZER, SEQ, out, progress=False)
+        D.build_dataset(DataConfig(corpus=[tmp_path / "empty.txt"], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                        out, progress=False)
     (tmp_path / "bin.txt").write_bytes(b"\x00\x01\x02" * 50)
     with pytest.raises(LabkitError, match="binary"):
-        D.build_dataset([tmp_path / "bin.txt"], SHIPPED_TOKENIZER, SEQ, out, progress=False)
+        D.build_dataset(DataConfig(corpus=[tmp_path / "bin.txt"], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                        out, progress=False)
     with pytest.raises(LabkitError, match="tokenizer directory"):
-        D.build_dataset([corpus], tmp_path / "no-tokenizer", SEQ, out, progress=False)
+        D.build_dataset(DataConfig(corpus=[corpus], tokenizer=tmp_path / "no-tokenizer", seq_len=SEQ),
+                        out, progress=False)
     assert not out.exists() and list(tmp_path.glob(".tmp-*")) == []
 
 
@@ -90,7 +97,8 @@ def test_interrupted_build_leaves_no_dataset(tmp_path, corpus, monkeypatch):
 
     monkeypatch.setattr(FileWriter, "commit", boom)
     with pytest.raises(KeyboardInterrupt):
-        D.build_dataset([corpus], SHIPPED_TOKENIZER, SEQ, tmp_path / "out", progress=False)
+        D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                        tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and list(tmp_path.glob(".tmp-*")) == []
 
 
@@ -114,7 +122,8 @@ def test_read_stats_refuses_incomplete(tmp_path, built):
 
 def test_verdict_fails_on_a_dominant_token(tmp_path):
     (tmp_path / "pad.txt").write_text("=" * 4000, encoding="utf-8")
-    s = D.build_dataset([tmp_path / "pad.txt"], SHIPPED_TOKENIZER, SEQ, tmp_path / "o", progress=False)
+    s = D.build_dataset(DataConfig(corpus=[tmp_path / "pad.txt"], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                        tmp_path / "o", progress=False)
     assert s["verdict"] == "fail" and "of all tokens" in s["warnings"][0]
 
 
@@ -136,7 +145,7 @@ def test_epoch_order_and_content(built, samples):
     for t in range(spe):
         np.testing.assert_array_equal(got[t], samples[order0[t * mb:(t + 1) * mb]])
     np.testing.assert_array_equal(got[spe], samples[order1[:mb]])
-    plain = take(loader.make_loader(out, mb, seed=7, shuffle=False), 2)
+    plain = take(loader.make_loader(out, mb, seed=7, data=DataConfig(shuffle=False)), 2)
     np.testing.assert_array_equal(np.concatenate(plain), samples[: 2 * mb])
 
 
@@ -183,8 +192,8 @@ def test_resume_matches_uninterrupted_without_reading_skipped(built, monkeypatch
 
 def test_workers_and_prefetch_do_not_change_order(built):
     _, out = built
-    a = take(loader.make_loader(out, 4, seed=2, num_parallel_workers=1, prefetch=16), 30)
-    b = take(loader.make_loader(out, 4, seed=2, num_parallel_workers=2, prefetch=64), 30)
+    a = take(loader.make_loader(out, 4, seed=2, data=DataConfig(num_parallel_workers=1, prefetch=16)), 30)
+    b = take(loader.make_loader(out, 4, seed=2, data=DataConfig(num_parallel_workers=2, prefetch=64)), 30)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
 

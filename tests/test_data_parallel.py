@@ -121,7 +121,7 @@ def test_launcher_death_ends_every_process(tmp_path):
 
 
 def test_timeout_ends_a_single_worker_run(tmp_path):
-    res = launch.launch("configs/tiny_cpu.yaml", workers=1, output=tmp_path / "slow", steps=NEVER_ENDS, timeout=3,
-                        progress=False)
+    res = launch.launch(launch.LaunchSpec("configs/tiny_cpu.yaml", workers=1, output=tmp_path / "slow",
+                                          steps=NEVER_ENDS), timeout=3, progress=False)
     assert not res.ok and res.reason.startswith("timed out after 3 s"), res.report()
     assert res.returncode != 0 and not _alive(res.pids)

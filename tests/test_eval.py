@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from labkit.cli import main
-from labkit.config import load_run_config
+from labkit.config import DataConfig, load_run_config
 from labkit.data import dataset as D
 from labkit.data.corpus import read_documents
 from labkit.data.tokenizer import SHIPPED_TOKENIZER, load
@@ -37,7 +37,9 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def split(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("split") / "ds"
-    return D.build_dataset([corpus], SHIPPED_TOKENIZER, SEQ, out, progress=False, val_fraction=0.1, val_seed=3), out
+    return D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ, val_fraction=0.1,
+                                      val_seed=3),
+                           out, progress=False), out
 
 
 def _stream(tok, docs):
@@ -67,7 +69,8 @@ def test_validation_holds_whole_documents_the_training_set_never_sees(split, cor
 
 
 def test_no_split_builds_what_it_always_built(split, corpus, tmp_path):
-    s0 = D.build_dataset([corpus], SHIPPED_TOKENIZER, SEQ, tmp_path / "plain", progress=False)
+    s0 = D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=SEQ),
+                         tmp_path / "plain", progress=False)
     assert s0["val"] is None and D.val_dir(tmp_path / "plain") is None
     assert s0["n_documents"] == len(read_documents([corpus])) and s0["n_val_documents"] == 0
     tok = load(SHIPPED_TOKENIZER, "hf")
@@ -79,8 +82,9 @@ def test_a_split_too_small_for_one_sample_says_so(tmp_path):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": f"短句{i}。"}, ensure_ascii=False) + "\n"
                                               for i in range(30)), encoding="utf-8")
     with pytest.raises(LabkitError, match=r"validation share \(1 document\(s\), \d+ tokens\) fills no sample"):
-        D.build_dataset([tmp_path / "c.jsonl"], SHIPPED_TOKENIZER, 8, tmp_path / "o", progress=False,
-                        val_fraction=0.02)
+        D.build_dataset(DataConfig(corpus=[tmp_path / "c.jsonl"], tokenizer=SHIPPED_TOKENIZER, seq_len=8,
+                                   val_fraction=0.02),
+                        tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
     with pytest.raises(LabkitError, match="must be in"):
         D.split_documents(10, 1.0)

@@ -31,7 +31,7 @@ def no_start(monkeypatch):
 def refused(tmp_path, what: str, **kwargs) -> LabkitError:
     kwargs.setdefault("output", tmp_path / "run")
     with pytest.raises(LabkitError) as e:
-        launch.launch(progress=False, **kwargs)
+        launch.launch(launch.LaunchSpec(**kwargs), progress=False)
     assert what in str(e.value), str(e.value)
     assert not (tmp_path / "run").exists(), "nothing may be written when validation fails"
     return e.value
@@ -89,23 +89,24 @@ def test_an_old_run_is_not_silently_mixed_in(tmp_path, no_start):
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     with pytest.raises(LabkitError, match="already holds a run") as e:
-        validate.prepare("configs/dp2_cpu.yaml", 2, output=out)
+        validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 2, output=out))
     assert "--resume" in e.value.fix and "--overwrite" in e.value.fix
-    assert validate.prepare("configs/dp2_cpu.yaml", 2, output=out, overwrite=True).output == str(out.resolve())
+    again = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 2, output=out, overwrite=True))
+    assert again.output == str(out.resolve())
 
 
 def test_more_than_one_worker_means_data_parallel(tmp_path):
-    pl = validate.prepare("configs/tiny_cpu.yaml", 2, output=tmp_path / "r", micro_batch=4)
+    pl = validate.prepare(validate.LaunchSpec("configs/tiny_cpu.yaml", 2, output=tmp_path / "r", micro_batch=4))
     assert (pl.mode, pl.dp, pl.global_batch, pl.total) == ("data_parallel", 2, 8, 2)
     assert pl.cfg.parallel.parallel_mode == "data_parallel"
     assert Path(pl.dataset).is_absolute() and (Path(pl.dataset) / "stats.json").is_file()
     assert validate.port_is_free(pl.master_port)
-    one = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "r")
+    one = validate.prepare(validate.LaunchSpec("configs/tiny_cpu.yaml", 1, output=tmp_path / "r"))
     assert (one.mode, one.dp, one.global_batch, one.master_port) == ("stand_alone", 1, 8, None)
 
 
 def test_command_single_node_and_multi_node(tmp_path):
-    pl = validate.prepare("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517)
+    pl = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517))
     cmd = validate.command(pl, Path("L.yaml"), Path("logs"))
     assert Path(cmd[0]).name == "msrun" or cmd[1:3] == ["-m", "mindspore.parallel.cluster.run"]
     for flag in ("--worker_num=2", "--local_worker_num=2", "--master_port=29517", "--log_dir=logs", "--join=True"):
@@ -113,15 +114,16 @@ def test_command_single_node_and_multi_node(tmp_path):
     assert cmd[-7:] == ["python", "-m", "labkit.launch", "train", "--config", "L.yaml", "--json"]
     assert not any(c.startswith("--node_rank") for c in cmd)
 
-    multi = validate.prepare("configs/dp2_cpu.yaml", 4, output=tmp_path / "m", nodes=2, node_rank=1,
-                        master_addr="10.1.2.3", master_port=29500, overrides=["train.global_batch=32"])
+    multi = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 4, output=tmp_path / "m", nodes=2,
+                                                 node_rank=1, master_addr="10.1.2.3", master_port=29500,
+                                                 overrides=["train.global_batch=32"]))
     cmd = validate.command(multi, Path("L.yaml"), Path("logs"))
     for flag in ("--worker_num=8", "--local_worker_num=4", "--master_addr=10.1.2.3", "--node_rank=1",
                  "--master_port=29500"):
         assert flag in cmd
     assert (multi.dp, multi.global_batch) == (8, 32)
 
-    single = validate.prepare("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False)
+    single = validate.prepare(validate.LaunchSpec("configs/tiny_cpu.yaml", 1, output=tmp_path / "s", resume=False))
     assert validate.command(single, Path("L.yaml"), Path("logs"))[:4] == ["python", "-m", "labkit.launch", "train"]
 
 
@@ -136,11 +138,12 @@ def test_loopback_master_with_several_nodes_is_refused_with_the_reason(tmp_path,
 
 
 def test_each_node_has_its_own_launch_file_and_logs_and_the_cluster_wait_is_configured(tmp_path):
-    one = validate.prepare("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517)
+    one = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 2, output=tmp_path / "r", master_port=29517))
     assert validate.node_files(one) == (tmp_path / "r" / "launch.yaml", tmp_path / "r" / "logs")
     assert "--cluster_time_out=120" in validate.command(one, *validate.node_files(one))
-    two = validate.prepare("configs/dp2_cpu.yaml", 1, output=tmp_path / "r", nodes=2, node_rank=1,
-                           master_addr="10.1.2.3", master_port=29500, overrides=["parallel.cluster_timeout_s=15"])
+    two = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 1, output=tmp_path / "r", nodes=2,
+                                               node_rank=1, master_addr="10.1.2.3", master_port=29500,
+                                               overrides=["parallel.cluster_timeout_s=15"]))
     cfg, logs = validate.node_files(two)
     assert (cfg.name, logs.relative_to(tmp_path / "r").as_posix()) == ("launch_node1.yaml", "logs/node1")
     cmd = validate.command(two, cfg, logs)
@@ -151,10 +154,10 @@ def test_the_report_names_the_node_that_never_joined(tmp_path):
     kw = dict(output=tmp_path / "r", nodes=2, master_addr="10.1.2.3", master_port=29500,
               overrides=["parallel.cluster_timeout_s=15"])
     gave_up = supervisor.Outcome(supervisor.FAILED, code=1, reason=supervisor.CLUSTER_NOT_GATHERED)
-    node0 = validate.prepare("configs/dp2_cpu.yaml", 1, node_rank=0, **kw)
+    node0 = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 1, node_rank=0, **kw))
     text = launch.missing_nodes(node0, gave_up)
     assert text.startswith("node 1 (rank 1) never joined the cluster within parallel.cluster_timeout_s = 15 s")
-    node1 = validate.prepare("configs/dp2_cpu.yaml", 2, node_rank=1, micro_batch=2, **kw)
+    node1 = validate.prepare(validate.LaunchSpec("configs/dp2_cpu.yaml", 2, node_rank=1, micro_batch=2, **kw))
     assert launch.missing_nodes(node1, gave_up).startswith("node 0 (ranks 0..1) never joined")
     assert launch.missing_nodes(node0, supervisor.Outcome(supervisor.FAILED, rank=1, code=-9)) is None
 
@@ -162,13 +165,13 @@ def test_the_report_names_the_node_that_never_joined(tmp_path):
 def test_one_msrun_builder():
     from labkit.parallel import msrun
 
-    line = msrun.msrun_args(4, 2, master_port=29500, log_dir="L", master_addr="10.0.0.1", node_rank=1,
-                            cluster_time_out=30, tail_worker_log=msrun.NO_TAIL)
+    cluster = msrun.Cluster(4, 2, master_port=29500, master_addr="10.0.0.1", node_rank=1, cluster_time_out=30)
+    line = msrun.msrun_args(cluster, log_dir="L", tail_worker_log=msrun.NO_TAIL)
     assert line == ["msrun", "--worker_num=4", "--local_worker_num=2", "--master_addr=10.0.0.1", "--node_rank=1",
                     "--master_port=29500", "--log_dir=L", "--join=True", "--cluster_time_out=30",
                     "--tail_worker_log=65535"]
     with pytest.raises(LabkitError, match="do not split"):
-        msrun.msrun_args(3, 2, master_port=29500, log_dir="L")
+        msrun.msrun_args(msrun.Cluster(3, 2, master_port=29500), log_dir="L")
 
 
 def test_workers_get_the_callers_python_first_on_path(tmp_path):

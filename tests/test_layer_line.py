@@ -9,7 +9,7 @@ from labkit.parallel import planner
 @pytest.mark.parametrize("optimizer_shard", [False, True])
 def test_one_layer_by_hand(optimizer_shard):
     cfg = model_preset("llama2_7b")
-    res = planner.plan(cfg, 8, 64, seq_len=4096, global_batch=64,
+    res = planner.plan(cfg, planner.Machine(8, 64), seq_len=4096, global_batch=64,
                        constraints=dict(dp=8, mp=1, pp=1, micro_batch=2, accum=4, recompute="none",
                                         optimizer_shard=optimizer_shard))
     row = res["strategies"][0]
@@ -24,7 +24,7 @@ def test_one_layer_by_hand(optimizer_shard):
 
 def test_tensor_parallel_splits_the_layer():
     cfg = model_preset("llama2_7b")
-    one, two = (planner.plan(cfg, 8, 64, seq_len=4096, global_batch=64,
+    one, two = (planner.plan(cfg, planner.Machine(8, 64), seq_len=4096, global_batch=64,
                              constraints=dict(dp=8 // mp, mp=mp, pp=1, micro_batch=1, recompute="none",
                                               optimizer_shard=False)) for mp in (1, 2))
     l1, l2 = (planner.layer_line(cfg, r, r["strategies"][0]) for r in (one, two))

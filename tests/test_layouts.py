@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from labkit.config import Layout
 from labkit.course import parallel_lab
 from labkit.model import scratch
 from labkit.training import layouts
@@ -87,10 +88,10 @@ def test_bytes_sent_are_the_textbook_volumes(result):
 
 
 def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_path):
-    every = {"dp": 2, "mp": 2, "pp": 2, "optimizer_shard": True, "sequence_parallel": True}
+    every = Layout(dp=2, mp=2, pp=2, optimizer_shard=True, sequence_parallel=True)
     rows = parallel_lab.evidence(every)
     assert all(r["used"] and r["equal to one card"] is True for r in rows)
     assert {r["shown by"].split()[0] for r in rows} <= {lay.name for n in layouts.LAYOUTS for lay in layouts.LAYOUTS[n]}
-    plain = parallel_lab.evidence({"dp": 8, "mp": 1, "pp": 1, "optimizer_shard": False}, root=tmp_path)
+    plain = parallel_lab.evidence(Layout(dp=8), root=tmp_path)
     assert [r["used"] for r in plain] == [True, False, False, False, False, False]
     assert all("run notebook 06a" in r["equal to one card"] for r in plain)  # nothing cached there: says what to run

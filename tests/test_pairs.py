@@ -68,7 +68,8 @@ def fake_dataset(d: Path, **stats) -> Path:
 
 
 def resume(out, cfg, **kw):
-    return run_dir.check_run_folder(out, resume=True, overwrite=False, steps=cfg.train.steps, cfg=cfg, **kw)
+    return run_dir.check_run_folder(out, resume=True, overwrite=False, steps=cfg.train.steps,
+                                    fit=run_dir.ResumeFit(cfg, **kw))
 
 
 # ------------------------------------------------------------------------------ weights against a model
@@ -109,7 +110,7 @@ def test_check_weights_refuses_missing_tensors_and_other_dtypes(tmp_path):
     half = formats.ckpt_index(write_ckpt(tmp_path / "half.ckpt", m, dtype="bfloat16", state=False))
     with pytest.raises(LabkitError, match=r"stores model.tok_embeddings.embedding_weight as bfloat16 \(21 tensors\), "
                                           r"the model's parameters are float32 \(O0\)") as e:
-        pairs.check_weights("w", half, m, "shape fix", dtype="float32", dtype_note=" (O0)", dtype_fix="dtype fix")
+        pairs.check_weights("w", half, m, "shape fix", dtype=pairs.ParamDtype("float32", " (O0)", "dtype fix"))
     assert e.value.fix == "dtype fix"
 
 
@@ -214,7 +215,7 @@ def test_resume_refuses_another_model(tmp_path, monkeypatch):
     assert f"the config in {ck / 'state.json'}" in e.value.fix
     with pytest.raises(LabkitError) as e:
         run_dir.check_run_folder(tmp_path / "run", resume=True, overwrite=False, steps=60, spelling=run_dir.PAPERMILL,
-                                 cfg=cfg_of("model.hidden_size=32", out=tmp_path / "run"))
+                                 fit=run_dir.ResumeFit(cfg_of("model.hidden_size=32", out=tmp_path / "run")))
     assert "another output_dir" in e.value.fix
 
 

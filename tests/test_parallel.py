@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from labkit.config import ParallelConfig
 from labkit.errors import LabkitError
 from labkit.parallel.context import require_hardware, set_parallel_context, summarize_strategy
 
@@ -34,19 +35,20 @@ def test_set_parallel_context():
 
     ms.set_context(device_target="CPU")
     with pytest.raises(LabkitError, match="Ascend or GPU"):
-        set_parallel_context("auto_parallel", device_num=2, search_mode="recursive_programming")
+        set_parallel_context(ParallelConfig("auto_parallel", search_mode="recursive_programming"), device_num=2)
     with pytest.raises(LabkitError, match="Ascend/GPU only"):
-        set_parallel_context("data_parallel", device_num=2, enable_parallel_optimizer=True, init_communication=False)
+        set_parallel_context(ParallelConfig("data_parallel", optimizer_shard=True), device_num=2,
+                             init_communication=False)
     with pytest.raises(LabkitError, match="pipeline_stages"):
-        set_parallel_context("data_parallel", device_num=2, pipeline_stages=2, init_communication=False)
+        set_parallel_context(ParallelConfig("data_parallel", pp=2), device_num=2, init_communication=False)
     try:
-        got = set_parallel_context("data_parallel", device_num=2, init_communication=False)
+        got = set_parallel_context(ParallelConfig("data_parallel"), device_num=2, init_communication=False)
         assert got == {"parallel_mode": "data_parallel", "device_num": 2, "gradients_mean": True}
         assert ms.get_auto_parallel_context("parallel_mode") == "data_parallel"
         assert ms.get_auto_parallel_context("gradients_mean") is True
     finally:
         ms.reset_auto_parallel_context()
-    assert set_parallel_context("stand_alone", device_num=1)["parallel_mode"] == "stand_alone"
+    assert set_parallel_context(ParallelConfig("stand_alone"), device_num=1)["parallel_mode"] == "stand_alone"
 
 
 NODES = {

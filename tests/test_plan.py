@@ -4,6 +4,7 @@ mindformers itself). The CPU calibration (memory differences within the bench's 
 by notebook 06b under nbval (it caches runs/bench/plan_calibration.json); tests/test_calibration.py tests the cache."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,8 +20,10 @@ from labkit.model import shapes
 from labkit.model.shapes import num_params
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import msrun
-from labkit.config import ModelConfig, model_preset
+from labkit.config import Layout, ModelConfig, model_preset
 from labkit.errors import LabkitError
+
+NOFA = memory.Numerics(flash_attention=False)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA2_7B = 6_738_415_616
@@ -44,7 +47,7 @@ def seven_b():
 
 @pytest.fixture(scope="module")
 def plan8(seven_b):
-    return P.plan(seven_b, 8, 64)
+    return P.plan(seven_b, P.Machine(8, 64))
 
 
 def test_llama2_7b_count_matches_mindformers(seven_b):
@@ -70,16 +73,16 @@ def test_activations_follow_korthikanti():
     cfg = ModelConfig(hidden_size=1024, num_heads=16, num_layers=4, vocab_size=1000, intermediate_size=4096)
     s, b = 2048, 2
     sbh, scores = s * b * 1024, 16 * s * s * b
-    none = memory.layer_activations(cfg, s, b, flash_attention=False)["stored"]
+    none = memory.layer_activations(cfg, s, b, numerics=NOFA)["stored"]
     assert none == pytest.approx(4 * sbh + 4 * sbh + 4 * s * b * 4096 + scores)  # norms, Q K V ctx, SwiGLU, scores
-    sel = memory.layer_activations(cfg, s, b, recompute="selective", flash_attention=False)
+    sel = memory.layer_activations(cfg, s, b, recompute="selective", numerics=NOFA)
     assert sel["stored"] == pytest.approx(none - scores) and sel["working"] == pytest.approx(scores)
     assert memory.layer_activations(cfg, s, b, recompute="full")["stored"] == sbh
-    fa = memory.layer_activations(cfg, s, b, flash_attention=True)["stored"]
+    fa = memory.layer_activations(cfg, s, b)["stored"]
     assert fa == pytest.approx(none - scores + 2 * 16 * s * b)  # flash attention keeps only row statistics
-    tp = memory.layer_activations(cfg, s, b, mp=4, flash_attention=False)["stored"]
+    tp = memory.layer_activations(cfg, s, b, mp=4, numerics=NOFA)["stored"]
     assert tp == pytest.approx(4 * sbh + (none - 4 * sbh) / 4)
-    sp = memory.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, flash_attention=False)["stored"]
+    sp = memory.layer_activations(cfg, s, b, mp=4, sequence_parallel=True, numerics=NOFA)["stored"]
     assert sp == pytest.approx(none / 4)
 
 
@@ -91,14 +94,16 @@ def test_cpu_graph_terms():
     cfg = ModelConfig(hidden_size=256, num_heads=4, num_layers=2, vocab_size=4096)
     s, b, f = 128, 4, cfg.ffn_size
     sbh, scores, mib = s * b * 256, 4 * s * s * b, 2**20
-    cpu = dict(flash_attention=False, fused_norm=False, fused_silu=False)
-    layer = memory.layer_activations(cfg, s, b, **cpu)["stored"]
+    cpu = memory.Numerics(flash_attention=False, fused_norm=False, fused_silu=False)
+    layer = memory.layer_activations(cfg, s, b, numerics=cpu)["stored"]
     assert layer == 12 * sbh + scores + 5 * s * b * f and layer * 4 / mib == 14.5
-    assert memory.layer_activations(cfg, s, b, recompute="full", **cpu)["stored"] == 2 * sbh  # input, and 2*x from it
+    # the layer input, and 2*x from it
+    assert memory.layer_activations(cfg, s, b, recompute="full", numerics=cpu)["stored"] == 2 * sbh
     assert memory.loss_activations(cfg, s, b, act_bytes=4, fused_norm=False) / mib == 34  # 4 x s*b*h + 4 x s*b*vocab
     assert memory.recompute_mask_elements(s, b, "none", False) == 0 < memory.recompute_mask_elements(s, b, "full", False)
     assert memory.adamw_early_bytes(num_params(cfg)) == 4 * num_params(cfg)
-    mem = P.memory_breakdown(cfg, seq_len=s, micro_batch=b, precision="fp32", **cpu)
+    mem = P.memory_breakdown(cfg, Layout(micro_batch=b), seq_len=s,
+                             numerics=dataclasses.replace(cpu, precision="fp32"))
     assert mem["activations"] * 2**30 / mib == 2 * 14.5 + 34
 
 
@@ -115,45 +120,46 @@ def test_plan_8_cards_finds_the_mindformers_recipe(plan8):
     attention) fits, and it is the planner's first choice."""
     assert plan8["params"] == LLAMA2_7B and plan8["best"] is not None
     best = plan8["best"]
-    assert (best["dp"], best["mp"], best["pp"], best["micro_batch"], best["accum"], best["recompute"],
-            best["optimizer_shard"]) == (8, 1, 1, 1, 8, "none", True)
-    assert best is plan8["strategies"][0] and best["fits"]
-    tps = [r["tokens_per_s"] for r in plan8["strategies"] if r["fits"]]
+    assert (best.dp, best.mp, best.pp, best.micro_batch, best.accum, best.recompute,
+            best.optimizer_shard) == (8, 1, 1, 1, 8, "none", True)
+    assert best is plan8["strategies"][0] and best.fits
+    tps = [r.tokens_per_s for r in plan8["strategies"] if r.fits]
     assert tps == sorted(tps, reverse=True)
     for r in plan8["strategies"]:
-        assert r["dp"] * r["mp"] * r["pp"] == 8 and r["dp"] * r["micro_batch"] * r["accum"] == 64
-        m = r["memory_gib"]
+        assert r.dp * r.mp * r.pp == 8 and r.dp * r.micro_batch * r.accum == 64
+        m = r.memory_gib
         parts = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"] + m["overhead"]
         assert m["total"] == pytest.approx(parts, abs=0.01)
-        assert r["fits"] == (m["total"] <= 64) and (("why_not" in r) != r["fits"])
+        assert r.fits == (m["total"] <= 64) and ((r.why_not is not None) != r.fits)
 
 
 def test_plan_1_card_nothing_fits(seven_b):
-    r = P.plan(seven_b, 1, 64)
-    assert r["best"] is None and r["strategies"] and not any(s["fits"] for s in r["strategies"])
+    r = P.plan(seven_b, P.Machine(1, 64))
+    assert r["best"] is None and r["strategies"] and not any(s.fits for s in r["strategies"])
     assert "75.3 GiB" in r["why"] and "devices" in r["why"]
 
 
 def test_constraints_validate_a_chosen_strategy(seven_b):
     pinned = dict(dp=2, mp=2, pp=2, micro_batch=1, accum=32, recompute="selective", optimizer_shard=True)
-    r = P.plan(seven_b, 8, 64, constraints=pinned)
+    r = P.plan(seven_b, P.Machine(8, 64), constraints=pinned)
     assert len(r["strategies"]) == 1 and r["best"] == r["strategies"][0]
-    assert {k: r["best"][k] for k in pinned} == pinned
-    r = P.plan(seven_b, 8, 64, constraints={"mp": 8, "pp": 1})
-    assert r["strategies"] and all(s["mp"] == 8 for s in r["strategies"])
-    r = P.plan(seven_b, 8, 64, constraints={"mp": 3})
+    assert {k: getattr(r["best"], k) for k in pinned} == pinned
+    r = P.plan(seven_b, P.Machine(8, 64), constraints={"mp": 8, "pp": 1})
+    assert r["strategies"] and all(s.mp == 8 for s in r["strategies"])
+    r = P.plan(seven_b, P.Machine(8, 64), constraints={"mp": 3})
     assert r["best"] is None and "no valid strategy" in r["why"]
     with pytest.raises(LabkitError, match="unknown constraint"):
-        P.plan(seven_b, 8, 64, constraints={"tp": 2})
+        P.plan(seven_b, P.Machine(8, 64), constraints={"tp": 2})
     with pytest.raises(LabkitError, match="recompute"):
-        P.plan(seven_b, 8, 64, constraints={"recompute": "some"})
+        P.plan(seven_b, P.Machine(8, 64), constraints={"recompute": "some"})
 
 
 def test_pipeline_bubble_and_micro_batch_rule(seven_b):
-    r = P.plan(seven_b, 8, 64, constraints={"dp": 1, "mp": 1, "pp": 8, "micro_batch": 1, "recompute": "none"})
+    r = P.plan(seven_b, P.Machine(8, 64),
+               constraints={"dp": 1, "mp": 1, "pp": 8, "micro_batch": 1, "recompute": "none"})
     (row,) = r["strategies"]
-    assert row["time_s"]["bubble"] == pytest.approx(row["time_s"]["compute"] * 7 / 64, rel=1e-3)
-    r = P.plan(seven_b, 8, 64, global_batch=4, constraints={"pp": 8})
+    assert row.time_s["bubble"] == pytest.approx(row.time_s["compute"] * 7 / 64, rel=1e-3)
+    r = P.plan(seven_b, P.Machine(8, 64), global_batch=4, constraints={"pp": 8})
     assert r["best"] is None and any("micro-batches >= stages" in k for k in r["skipped"])
 
 
@@ -163,16 +169,16 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
 
     from labkit.model.llama import build_model, count_parameters
 
-    pick = next(r for r in plan8["strategies"] if r["mp"] == 2 and r["pp"] == 2 and r["recompute"] == "selective")
-    y = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick))
+    pick = next(r for r in plan8["strategies"] if r.mp == 2 and r.pp == 2 and r.recompute == "selective")
+    y = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick.layout))
     assert y["parallel"]["parallel_mode"] == 1 and y["parallel_config"]["pipeline_stage"] == 2
-    assert y["parallel_config"]["micro_batch_num"] == pick["accum"] and y["runner_config"]["batch_size"] == 1
+    assert y["parallel_config"]["micro_batch_num"] == pick.accum and y["runner_config"]["batch_size"] == 1
     assert y["recompute_config"] == {**y["recompute_config"], "recompute": False, "select_recompute": True}
     pc = TransformerOpParallelConfig(recompute=TransformerRecomputeConfig(**y["recompute_config"]),
                                      **y["parallel_config"])
-    assert (pc.data_parallel, pc.model_parallel, pc.pipeline_stage) == (pick["dp"], 2, 2)
+    assert (pc.data_parallel, pc.model_parallel, pc.pipeline_stage) == (pick.dp, 2, 2)
     assert count_parameters(build_model(seven_b, seq_length=4096, no_init=True, parallel_config=pc)) == LLAMA2_7B
-    auto = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick, parallel_mode="auto_parallel",
+    auto = yaml.safe_load(mf_yaml.mindformers_parallel_yaml(pick.layout, parallel_mode="auto_parallel",
                                                        search_mode="recursive_programming"))
     assert auto["parallel"]["parallel_mode"] == 2 and auto["parallel"]["search_mode"] == "recursive_programming"
 
@@ -181,21 +187,22 @@ def test_yaml_is_accepted_by_mindformers(plan8, seven_b):
 def test_mindformers_reads_the_planned_global_batch(plan8, tmp_path):
     """mindformers' own trainer code derives the global batch from the YAML: with and without pipeline stages
     (micro_batch_num against gradient_accumulation_steps), and a YAML edited by hand reads differently."""
-    with_pp = next(r for r in plan8["strategies"] if r["pp"] > 1)
-    without = next(r for r in plan8["strategies"] if r["pp"] == 1 and r["accum"] > 1)
+    with_pp = next(r for r in plan8["strategies"] if r.pp > 1)
+    without = next(r for r in plan8["strategies"] if r.pp == 1 and r.accum > 1)
     for i, pick in enumerate((with_pp, without)):
         f = tmp_path / f"plan{i}.yaml"
-        f.write_text(mf_yaml.mindformers_parallel_yaml(pick), encoding="utf-8")
-        assert mf_yaml.mindformers_global_batch(f) == pick["micro_batch"] * pick["dp"] * pick["accum"]
+        f.write_text(mf_yaml.mindformers_parallel_yaml(pick.layout), encoding="utf-8")
+        assert mf_yaml.mindformers_global_batch(f) == pick.micro_batch * pick.dp * pick.accum
     doc = yaml.safe_load(f.read_text(encoding="utf-8"))
     doc["runner_config"]["batch_size"] *= 3
     f.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    assert mf_yaml.mindformers_global_batch(f) == 3 * without["micro_batch"] * without["dp"] * without["accum"]
+    assert mf_yaml.mindformers_global_batch(f) == 3 * without.micro_batch * without.dp * without.accum
 
 
-def _yaml_as_once_written(s: dict, parallel_mode: int, search_mode: str, sequence_parallel: bool) -> str:
+def _yaml_as_once_written(row: P.Strategy, parallel_mode: int, search_mode: str, sequence_parallel: bool) -> str:
     """The text mindformers_parallel_yaml wrote with f-strings before it became a mapping dumped by safe_dump."""
     b = lambda v: "True" if v else "False"  # noqa: E731
+    s = row.layout.row()
     pipeline = s["pp"] > 1
     return f"""\
 use_parallel: True
@@ -238,19 +245,20 @@ def test_yaml_mapping_equals_the_text_it_replaced(plan8):
     for row in plan8["strategies"]:
         for mode, number in mf_yaml.PARALLEL_MODES.items():
             for search, seq_par in (("sharding_propagation", False), ("recursive_programming", True)):
-                options = dict(parallel_mode=mode, search_mode=search, sequence_parallel=seq_par)
-                doc = mf_yaml.mindformers_parallel_config(row, **options)
+                options = dict(parallel_mode=mode, search_mode=search)
+                layout = dataclasses.replace(row.layout, sequence_parallel=seq_par)
+                doc = mf_yaml.mindformers_parallel_config(layout, **options)
                 old = yaml.safe_load(_yaml_as_once_written(row, number, search, seq_par))
                 assert doc == old and list(doc) == list(old)
-                assert yaml.safe_load(mf_yaml.mindformers_parallel_yaml(row, **options)) == doc
+                assert yaml.safe_load(mf_yaml.mindformers_parallel_yaml(layout, **options)) == doc
     with pytest.raises(LabkitError, match="search_mode 'greedy'"):
-        mf_yaml.mindformers_parallel_config(plan8["best"], search_mode="greedy")
+        mf_yaml.mindformers_parallel_config(plan8["best"].layout, search_mode="greedy")
 
 
 def test_msrun_command(plan8):
-    best = plan8["best"]
+    best = plan8["best"].layout
     assert msrun.msrun_command(best).startswith("msrun --worker_num=8 --local_worker_num=8 --master_port=8118")
-    two = msrun.msrun_command({**best, "dp": 16}, nodes=2, node_rank=1, master_addr="10.0.0.1")
+    two = msrun.msrun_command(dataclasses.replace(best, dp=16), nodes=2, node_rank=1, master_addr="10.0.0.1")
     assert "--worker_num=16 --local_worker_num=8 --master_addr=10.0.0.1 --node_rank=1" in two
     with pytest.raises(LabkitError):
         msrun.msrun_command(best, nodes=3)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from labkit.course import pretrain
-from labkit.config import load_run_config, model_preset
+from labkit.config import Recompute, load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import NOTEBOOKS
@@ -31,7 +31,7 @@ def test_7b_preset_is_a_plan_for_8_cards_of_64_gib():
     assert (run.devices, run.device_memory_gib, p.device_target) == (8, 64.0, "Ascend")
     assert (p.dp, p.mp, p.pp, t.micro_batch, t.accum, t.global_batch) == (8, 1, 1, 1, 8, 64)  # mindformers' recipe
     assert p.parallel_mode == "semi_auto_parallel" and p.optimizer_shard
-    assert run.strategy["fits"] and 60 < run.strategy["memory_gib"]["total"] <= 64
+    assert run.strategy.fits and 60 < run.strategy.memory_gib["total"] <= 64
     assert not run.can_train and "Ascend" in run.why_not  # this machine has no NPU: plan only, no error
     assert num_params(run.model) == 6_738_415_616
 
@@ -137,9 +137,9 @@ def test_partial_recompute_lies_between_none_and_all():
 
 
 def test_stage_recompute_counts_for_mindformers():
-    assert pretrain.stage_recompute_counts("last:16", 32, 1) == [16]
-    assert pretrain.stage_recompute_counts("last:16", 32, 2) == [0, 16]
-    assert pretrain.stage_recompute_counts("all", 32, 4) == [8, 8, 8, 8]
+    assert Recompute.parse("last:16").stage_counts(32, 1) == [16]
+    assert Recompute.parse("last:16").stage_counts(32, 2) == [0, 16]
+    assert Recompute.parse("all").stage_counts(32, 4) == [8, 8, 8, 8]
 
 
 def test_expected_shapes_use_mindformers_names():
@@ -270,7 +270,7 @@ def test_widget_form_edits_a_copy_and_applies_on_click(monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     ns = {"preset": "llama2_7b", "dp": None}
     form = widgets.ParameterForm(ns)
-    need = pretrain.resolve(dict(ns), check_files=False).strategy["memory_gib"]["total"]
+    need = pretrain.resolve(dict(ns), check_files=False).strategy.memory_gib["total"]
     assert "fits" in form.verdict.value and f"{need:.1f} of 64 GiB" in form.verdict.value
     # what the browser shows (tests/test_ui.py): None selected, not an empty box; the glossary on each label
     assert form.inputs["device_target"].index == 0 and form.inputs["device_target"].value is None

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 
+from labkit.config import DataConfig
 from labkit.data import dataset as D
 from labkit.data.corpus import read_documents
 from labkit.data.quality import RUN_WARN, check_quality, duplicates, longest_special_run
@@ -50,7 +51,8 @@ def test_the_build_reports_a_dirty_corpus_in_its_stats(tmp_path):
     dirty = docs + docs[:4] + ["</s>" * 40 + " hello"]
     corpus = tmp_path / "dirty.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in dirty), encoding="utf-8")
-    stats = D.build_dataset([corpus], SHIPPED_TOKENIZER, 64, tmp_path / "ds", progress=False)
+    stats = D.build_dataset(DataConfig(corpus=[corpus], tokenizer=SHIPPED_TOKENIZER, seq_len=64),
+                            tmp_path / "ds", progress=False)
     q = stats["quality"]
     assert q["duplicate_documents"] == 4 and q["longest_special_run"] == 40
     assert stats["verdict"] == "warn" and any("repeat an earlier one" in w for w in stats["warnings"])

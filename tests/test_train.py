@@ -7,11 +7,11 @@ import pytest
 from labkit.training import checkpoint
 from labkit.config import load_run_config
 from labkit.errors import LabkitError, LabkitFailure
-from labkit.model.llama import llama_config_kwargs
+from labkit.model.llama import Backend, llama_config_kwargs
 from labkit.config import model_preset
 from labkit.training.world import check_batch
 from labkit.training.schedule import lr_at
-from labkit.config import parse_recompute
+from labkit.config import Recompute
 
 def cfg(tmp_path, *sets):
     """The tiny config with one decoder layer (what these runs check, accumulation and a divergence caught, does not
@@ -55,24 +55,39 @@ def test_schedule_warms_up_then_decays_to_the_floor_on_its_own_horizon():
 
 
 def test_recompute_ranges():
-    assert parse_recompute("none", 4) == []
-    assert parse_recompute("last:2", 4) == [2, 3]
-    assert parse_recompute("first:1", 4) == [0]
-    assert parse_recompute("1-2", 4) == [1, 2]
-    assert parse_recompute("all", 3) == [0, 1, 2]
+    def layers(spec, n):
+        return Recompute.parse(spec).layers(n)
+
+    assert layers("none", 4) == []
+    assert layers("last:2", 4) == [2, 3]
+    assert layers("first:1", 4) == [0]
+    assert layers("1-2", 4) == [1, 2]
+    assert layers("all", 3) == [0, 1, 2]
     with pytest.raises(LabkitError, match="last:K"):
-        parse_recompute("3-9", 4)
+        layers("3-9", 4)
+    with pytest.raises(LabkitError, match="train.recompute = 'last:x'.*\n.*last:K, first:K"):
+        Recompute.parse("last:x")
+    for spec in ("none", "all", "last:2", "first:1", "1-2", "selective"):
+        assert str(Recompute.parse(spec)) == spec  # the text a YAML holds comes back unchanged
+
+
+def test_recompute_maps_to_mindformers_and_the_planner():
+    assert Recompute.parse("last:2").mindformers(4, 2) == {"recompute": [0, 2], "select_recompute": False}
+    assert Recompute.parse("all").mindformers() == {"recompute": True, "select_recompute": False}
+    assert Recompute.parse("selective").mindformers() == {"recompute": False, "select_recompute": True}
+    assert Recompute.parse("last:1").planner_modes(4) == {"none": 0.75, "full": 0.25}
+    assert Recompute.parse("none").planner_modes(4) == {"none": 1.0}
 
 
 def test_ascend_takes_fused_kernels_and_flash_attention_from_the_config_alone():
     """The Ascend path cannot run here; the configuration it produces is what we can check."""
-    kw = llama_config_kwargs(model_preset("llama2_7b"), seq_length=4096, device_target="Ascend",
-                             compute_dtype="float16")
+    kw = llama_config_kwargs(model_preset("llama2_7b"), seq_length=4096,
+                             backend=Backend(device_target="Ascend", compute_dtype="float16"))
     assert kw["fused_rms_norm"] and kw["use_flash_attention"] and not kw["use_rope_slice"]
-    cpu = llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU")
+    cpu = llama_config_kwargs(model_preset("tiny"), seq_length=128, backend=Backend(device_target="CPU"))
     assert not cpu["fused_rms_norm"] and not cpu["use_flash_attention"] and cpu["use_rope_slice"]
     with pytest.raises(LabkitError, match="flash attention is not available on CPU"):
-        llama_config_kwargs(model_preset("tiny"), seq_length=128, device_target="CPU", use_flash_attention=True)
+        llama_config_kwargs(model_preset("tiny"), seq_length=128, backend=Backend(use_flash_attention=True))
 
 
 def test_weights_only_files_cannot_resume(tmp_path):

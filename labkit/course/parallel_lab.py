@@ -326,27 +326,27 @@ def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:
 # ------------------------------------------------------------------------------------------ what a strategy rests on
 
 # Each dimension a strategy may use, the layout of the lab that trained it on CPU workers, and where it is taught.
-EVIDENCE = (("data_parallel", lambda s: s["dp"] > 1, "dp2", "05, 06a §4"),
-            ("model_parallel", lambda s: s["mp"] > 1, "tp2", "06a §2-§4"),
-            ("use_seq_parallel", lambda s: bool(s.get("sequence_parallel")), "sp2", "06a §3-§4"),
-            ("data_parallel x model_parallel", lambda s: s["dp"] > 1 and s["mp"] > 1, "dp2_tp2", "06a §4"),
-            ("pipeline_stage + micro_batch_num", lambda s: s["pp"] > 1, "pp2_1f1b", "06b §1"),
-            ("optimizer_shard", lambda s: bool(s["optimizer_shard"]), "zero1", "06b §2"))
+EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
+            ("model_parallel", lambda s: s.mp > 1, "tp2", "06a §2-§4"),
+            ("use_seq_parallel", lambda s: s.sequence_parallel, "sp2", "06a §3-§4"),
+            ("data_parallel x model_parallel", lambda s: s.dp > 1 and s.mp > 1, "dp2_tp2", "06a §4"),
+            ("pipeline_stage + micro_batch_num", lambda s: s.pp > 1, "pp2_1f1b", "06b §1"),
+            ("optimizer_shard", lambda s: s.optimizer_shard, "zero1", "06b §2"))
 
 
-def evidence(strategy: dict, root: Path = CACHE) -> list[dict]:
-    """For each parallel dimension: whether `strategy` (a planner row: dp, mp, pp, optimizer_shard) uses it, the
-    lab run that trained it on CPU workers and how far that run was from one card (when its results are cached and
-    newer than the code; otherwise where to run it)."""
+def evidence(layout, root: Path = CACHE) -> list[dict]:
+    """For each parallel dimension: whether `layout` (a labkit.config.Layout) uses it, the lab run that trained it
+    on CPU workers and how far that run was from one card (when its results are cached and newer than the code;
+    otherwise where to run it)."""
     try:
         result = compare(parallel_runs("cached", root))
     except LabkitError:
         result, missing = None, "not run here yet: run notebook 06a (or parallel_lab.parallel_runs())"
     rows = []
-    for key, used, layout, where in EVIDENCE:
-        row = {"mindformers parallel_config": key, "used": used(strategy), "shown by": f"{layout} (notebook {where})"}
+    for key, used, lab, where in EVIDENCE:
+        row = {"mindformers parallel_config": key, "used": used(layout), "shown by": f"{lab} (notebook {where})"}
         if result:
-            r = result["layouts"][layout]
+            r = result["layouts"][lab]
             row.update({"max |loss - one card|": r["loss_diff"], "max |weight - one card|": r["weight_diff"],
                         "equal to one card": r["equal"]})
         else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from labkit.config import load_run_config
-from labkit.parallel.memory import memory_breakdown
+from labkit.config import Layout
+from labkit.parallel.memory import Numerics, memory_breakdown
 from labkit.runtime import prepare_process, process_env
 from labkit.training.monitor import train_capped
 from labkit.training.oom import planner_need_mb
@@ -36,9 +37,9 @@ def planner_activations_mb(cfg, seq_len: int, micro_batch: int) -> float:
     """The planner's activations of one micro-batch on this CPU (fp32, no flash attention, unfused RMSNorm and
     SiLU), MiB: what MindSpore's memory pool holds at the end of the forward pass, its peak; weights are
     Parameters, outside the pool."""
-    
-    return memory_breakdown(cfg, seq_len=seq_len, micro_batch=micro_batch, precision="fp32", flash_attention=False,
-                            fused_norm=False, fused_silu=False)["activations"] * 1024  # GiB -> MiB
+    cpu = Numerics(precision="fp32", flash_attention=False, fused_norm=False, fused_silu=False)
+    return memory_breakdown(cfg, Layout(micro_batch=micro_batch), seq_len=seq_len,
+                            numerics=cpu)["activations"] * 1024  # GiB -> MiB
 
 
 def seq_memory(seqs=(64, 128, 256), micro_batch: int = 8, preset: str = "tiny", steps: int = 1,

@@ -37,13 +37,13 @@ def _parse(name: str, text: str):
 def verdict_html(run) -> str:
     """One paragraph: layout, batch, memory against the device, predicted speed, and whether it trains here."""
     p, t, s = run.cfg.parallel, run.cfg.train, run.strategy
-    mem = s["memory_gib"]["total"]
-    ok = '<b style="color:green">fits</b>' if s["fits"] else '<b style="color:red">does not fit</b>'
+    mem = s.memory_gib["total"]
+    ok = '<b style="color:green">fits</b>' if s.fits else '<b style="color:red">does not fit</b>'
     where = "trains here" if run.can_train else f"plan only here ({html.escape(run.why_not or '')})"
     return (f"<p>dp {p.dp} × mp {p.mp} × pp {p.pp} ({p.parallel_mode}, optimizer_shard {p.optimizer_shard}) · "
             f"micro_batch {t.micro_batch} × dp {p.dp} × accum {t.accum} = {t.global_batch} × {run.cfg.data.seq_len} "
-            f"tokens<br>{mem:.1f} of {run.device_memory_gib:g} GiB per device: {ok} · {s['step_time_s']:.3g} s/step · "
-            f"{s['tokens_per_s_per_device']:,.0f} tokens/s per device · MFU {s['mfu']:.0%} · {where}</p>")
+            f"tokens<br>{mem:.1f} of {run.device_memory_gib:g} GiB per device: {ok} · {s.step_time_s:.3g} s/step · "
+            f"{s.tokens_per_s_per_device:,.0f} tokens/s per device · MFU {s.mfu:.0%} · {where}</p>")
 
 
 def error_html(e: LabkitError) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import numpy as np
+from labkit.config import DataConfig
 from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.data.dataset import display_path, ensure_dataset, load_fast_tokenizer, read_stats
@@ -57,7 +58,7 @@ def bench_mindrecord(dataset_dir, workers: int, prefetch: int, micro_batch: int 
     stats = read_stats(dataset_dir)
     n = min(stats["n_samples"], max_samples or stats["n_samples"]) // micro_batch
     t0 = time.perf_counter()
-    it = make_loader(dataset_dir, micro_batch, seed=0, num_parallel_workers=workers, prefetch=prefetch)
+    it = make_loader(dataset_dir, micro_batch, seed=0, data=DataConfig(num_parallel_workers=workers, prefetch=prefetch))
     tokens = sum(next(it).size for _ in range(n))
     secs = time.perf_counter() - t0
     return dict(pipeline="MindRecord", workers=workers, prefetch=prefetch, tokens=int(tokens), seconds=round(secs, 3),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from labkit.data.bench import format_table, run_bench
+from labkit.config import DataConfig
 from labkit.data.dataset import build_dataset, format_build
 
 
@@ -39,9 +40,10 @@ def add_cli(parser) -> None:
 def _cli_build(args) -> int:
     from labkit.output import emit
 
-    r = build_dataset(args.corpus, args.tokenizer, args.seq_len, args.output, workers=args.workers,
-                      text_field=args.text_field, split_on_blank_lines=args.split_on_blank_lines,
-                      overwrite=args.overwrite, val_fraction=args.val_fraction, val_seed=args.val_seed)
+    r = build_dataset(DataConfig(corpus=args.corpus, tokenizer=args.tokenizer, seq_len=args.seq_len,
+                                 val_fraction=args.val_fraction, val_seed=args.val_seed),
+                      args.output, workers=args.workers, text_field=args.text_field,
+                      split_on_blank_lines=args.split_on_blank_lines, overwrite=args.overwrite)
     emit(args, r, format_build(r))
     return 1 if r["verdict"] == "fail" else 0
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.config import DataConfig
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.paths import RUNS, ROOT, lab_path
 from labkit.io import atomic_dir
@@ -230,13 +231,16 @@ def _check_sets(train: dict, val: dict | None, sample_len: int, n_val_docs: int)
                           "raise --val-fraction, give more text, use a smaller --seq-len, or --val-fraction 0")
 
 
-def build_dataset(corpus, tokenizer_dir, seq_len: int, output_dir, workers: int = 1, text_field: str = "text",
-                  split_on_blank_lines: bool = False, *, overwrite: bool = False, progress: bool = True,
-                  val_fraction: float = 0.0, val_seed: int = 0) -> dict:
-    """Tokenise `corpus`, pack into samples of seq_len + 1 tokens, write a MindRecord dataset; return the stats.
-    With val_fraction > 0, a seeded share of whole documents is packed separately into `<output>/val/` (its own
-    MindRecord and stats.json); the training samples then come from the other documents only."""
+def build_dataset(data: DataConfig, output_dir, *, workers: int = 1, text_field: str = "text",
+                  split_on_blank_lines: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenise `data.corpus` (None: the shipped corpus) with `data.tokenizer`, pack into samples of
+    data.seq_len + 1 tokens, write a MindRecord dataset; return the stats. With data.val_fraction > 0, a share of
+    whole documents (seeded by data.val_seed) is packed separately into `<output>/val/` (its own MindRecord and
+    stats.json); the training samples then come from the other documents only."""
     from labkit.data.corpus import ReadReport, fingerprint, read_documents
+
+    corpus, tokenizer_dir, seq_len = data.corpus, data.tokenizer, data.seq_len
+    val_fraction, val_seed = data.val_fraction, data.val_seed
 
     if seq_len < 1 or workers < 1:
         raise LabkitError(f"--seq-len {seq_len} and --workers {workers} must be at least 1")
@@ -356,9 +360,9 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
         if _usable(final):  # built while this call waited
             return final
         tmp = CACHE / f".build-{h}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        build_dataset(corpus, tokenizer_dir, seq_len, tmp, text_field=text_field,
-                      split_on_blank_lines=split_on_blank_lines, progress=progress, val_fraction=val_fraction,
-                      val_seed=val_seed)
+        build_dataset(DataConfig(corpus=corpus, tokenizer=tokenizer_dir, seq_len=seq_len, val_fraction=val_fraction,
+                                 val_seed=val_seed),
+                      tmp, text_field=text_field, split_on_blank_lines=split_on_blank_lines, progress=progress)
         os.rename(tmp, final)
     return final
 

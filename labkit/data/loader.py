@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 import numpy as np
+from labkit.config import DataConfig
 from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.data.dataset import RECORD, read_stats
@@ -44,9 +45,12 @@ def rank_indices(n_samples: int, micro_batch: int, *, seed: int, epoch: int, dp_
 
 
 def make_loader(dataset_dir, micro_batch: int, *, seed: int, dp_size: int = 1, dp_rank: int = 0, accum: int = 1,
-                start_step: int = 0, shuffle: bool = True, num_parallel_workers: int = 1, prefetch: int = 16):
+                start_step: int = 0, data: DataConfig = DataConfig()):
     """Infinite iterator of int32 arrays [micro_batch, seq_len + 1]: `accum` of them per optimizer step, in the
-    order described in the module docstring, starting at optimizer step `start_step` (skipped samples are not read)."""
+    order described in the module docstring, starting at optimizer step `start_step` (skipped samples are not read).
+    From `data`: shuffle, num_parallel_workers and prefetch (how MindDataset reads; the order depends on shuffle
+    alone)."""
+    shuffle, num_parallel_workers, prefetch = data.shuffle, data.num_parallel_workers, data.prefetch
     stats = read_stats(dataset_dir)
     n = stats["n_samples"]
     steps_per_epoch = check_layout(n, micro_batch, dp_size, dp_rank, accum)
@@ -100,7 +104,8 @@ def check_shard_balance(dataset_dir, micro_batch: int, dp_size: int, accum: int,
 
     def received(mb, size, rank):
         """[steps, rows of one optimizer step] as row bytes, plus token and EOS counts."""
-        it = make_loader(dataset_dir, mb, seed=seed, dp_size=size, dp_rank=rank, accum=accum, shuffle=shuffle)
+        it = make_loader(dataset_dir, mb, seed=seed, dp_size=size, dp_rank=rank, accum=accum,
+                         data=DataConfig(shuffle=shuffle))
         rows, n_tok, n_doc = [], 0, 0
         for _ in range(steps):
             xs = [next(it) for _ in range(accum)]

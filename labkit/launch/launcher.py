@@ -42,8 +42,8 @@ from pathlib import Path
 from labkit.runtime import process_env
 from labkit.training.metrics import read_metrics
 from labkit.training.fault import Fault, check_fault
-from labkit.launch.validate import (CLUSTER_ENV, PreparedLaunch, cluster_timeout, command, node_files, prepare,
-                                    python_on_path)
+from labkit.launch.validate import (CLUSTER_ENV, LaunchSpec, PreparedLaunch, cluster_timeout, command, node_files,
+                                    prepare, python_on_path)
 from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor,
                                       interrupt_flag, log_tail, start_guard, summary_from_log, supervise)
 
@@ -107,12 +107,9 @@ class LaunchFiles:
     command: tuple
 
 
-def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, output=None, nodes: int = 1,
-           node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-           resume: bool = False, overwrite: bool = False, steps=None, micro_batch=None, accum=None, seed=None,
-           progress: bool = True, timeout: float | None = None, kill_rank: int | None = None,
-           kill_after_step: int = 1, log=None, show_report: bool = True) -> LaunchResult:
-    """Validate, start `labkit train` on `workers` processes (x `nodes`), watch, and return a LaunchResult.
+def launch(spec: LaunchSpec = LaunchSpec(), *, progress: bool = True, timeout: float | None = None,
+           kill_rank: int | None = None, kill_after_step: int = 1, log=None, show_report: bool = True) -> LaunchResult:
+    """Validate, start `labkit train` on the spec's workers (x nodes), watch, and return a LaunchResult.
 
     `kill_rank`/`kill_after_step` are a fault drill: that rank ends itself with SIGKILL right after that step
     (injected inside the worker, so where the run stops never depends on how fast this launcher looks).
@@ -121,13 +118,11 @@ def launch(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, ou
     from labkit.io import OutputLock
 
     log = log or (lambda m: print(m, file=sys.stderr))
-    pl = prepare(config, workers, overrides, output=output, nodes=nodes, node_rank=node_rank,
-                 master_addr=master_addr, master_port=master_port, resume=resume, overwrite=overwrite, steps=steps,
-                 micro_batch=micro_batch, accum=accum, seed=seed)
+    pl = prepare(spec)
     fault = check_fault(kill_rank, kill_after_step, pl.total, pl.start_step, pl.cfg.train.steps)
     lock = OutputLock(Path(pl.output), pl.node_rank, "labkit launch").acquire()  # before --overwrite clears anything
     try:
-        files = write_files(pl, overwrite, fault)
+        files = write_files(pl, spec.overwrite, fault)
         log(f"launching {pl.total} worker(s) ({pl.mode}, dp={pl.dp}, global batch {pl.global_batch}); logs in "
             f"{files.logs}")
         if fault is not None:
@@ -348,12 +343,12 @@ def add_cli(parser) -> None:
 def _cli(args) -> int:
     from labkit.output import emit
 
-    kw = dict(overrides=args.set, output=args.output, nodes=args.nodes, node_rank=args.node_rank,
-              master_addr=args.master_addr, master_port=args.master_port, resume=args.resume,
-              overwrite=args.overwrite, steps=args.steps, micro_batch=args.micro_batch, accum=args.accum,
-              seed=args.seed)
+    spec = LaunchSpec(args.config, args.workers, args.set, output=args.output, nodes=args.nodes,
+                      node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                      resume=args.resume, overwrite=args.overwrite, steps=args.steps, micro_batch=args.micro_batch,
+                      accum=args.accum, seed=args.seed)
     if args.dry_run:
-        pl = prepare(args.config, args.workers, **kw)
+        pl = prepare(spec)
         fault = check_fault(args.kill_rank, args.kill_after_step, pl.total, pl.start_step, pl.cfg.train.steps)
         cmd = command(pl, *node_files(pl)) + fault_args(fault)
         payload = {"ok": True, "workers": pl.total, "parallel_mode": pl.mode, "dp": pl.dp,
@@ -362,7 +357,7 @@ def _cli(args) -> int:
         emit(args, payload, " ".join(cmd))
         return 0
     quiet = getattr(args, "json", False)
-    res = launch(args.config, args.workers, progress=not quiet, timeout=args.timeout, kill_rank=args.kill_rank,
-                 kill_after_step=args.kill_after_step, show_report=False, **kw)
+    res = launch(spec, progress=not quiet, timeout=args.timeout, kill_rank=args.kill_rank,
+                 kill_after_step=args.kill_after_step, show_report=False)
     emit(args, res.to_dict(), res.report())
     return 0 if res.ok else 1

@@ -5,19 +5,31 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
 from labkit.launch.supervisor import POLL_S, Supervisor, log_tail
-from labkit.parallel.msrun import NO_TAIL, msrun_args, msrun_head
+from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
 from labkit.model.shapes import grad_shapes
 from labkit.parallel.collectives import io_bytes
 
 
-def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_000_000, 4_000_000),
-                      repeats: int = 10, output=None, timeout: float = 300,
-                      env_vars=("NCCL_ALGO", "NCCL_IB_DISABLE", "HCCL_CONNECT_TIMEOUT"),
-                      dtypes=("float32",), raw_sizes=()) -> dict:
+@dataclass(frozen=True)
+class AllreduceTimings:
+    """What the all-reduce probe times (see measure_allreduce): buffers of `sizes` elements through the gradient
+    reducer and bare ops.AllReduce buffers of `raw_sizes`, in each of `dtypes`, the median of `repeats` calls, and
+    which of the worker's loaded libraries mention each of `env_vars`."""
+
+    sizes: tuple = (1_000, 100_000, 1_000_000, 4_000_000)
+    repeats: int = 10
+    dtypes: tuple = ("float32",)
+    raw_sizes: tuple = ()
+    env_vars: tuple = ("NCCL_ALGO", "NCCL_IB_DISABLE", "HCCL_CONNECT_TIMEOUT")
+
+
+def measure_allreduce(model="tiny", workers: int = 2, timings: AllreduceTimings = AllreduceTimings(), *,
+                      output=None, timeout: float = 300) -> dict:
     """Time MindSpore's gradient all-reduce between `workers` processes on this machine (msrun, mccl on CPU).
 
     Measures `nn.DistributedGradReducer(mean=True)` (what training uses) on zero tensors shaped like `model`'s
@@ -44,10 +56,12 @@ def measure_allreduce(model="tiny", workers: int = 2, sizes=(1_000, 100_000, 1_0
     spec = out / "probe.json"
     result_file = out / "result.json"
     result_file.unlink(missing_ok=True)
-    spec.write_text(json.dumps({"model": [list(s) for s in grad_shapes(mcfg)], "sizes": list(sizes),
-                                "repeats": repeats, "result": str(result_file.resolve()),
-                                "env_vars": list(env_vars), "dtypes": list(dtypes), "raw_sizes": list(raw_sizes)}), encoding="utf-8")
-    cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs.resolve(), cluster_time_out=120,
+    t = timings
+    spec.write_text(json.dumps({"model": [list(s) for s in grad_shapes(mcfg)], "sizes": list(t.sizes),
+                                "repeats": t.repeats, "result": str(result_file.resolve()),
+                                "env_vars": list(t.env_vars), "dtypes": list(t.dtypes),
+                                "raw_sizes": list(t.raw_sizes)}), encoding="utf-8")
+    cmd = msrun_args(Cluster(workers, workers, master_port=free_port(), cluster_time_out=120), log_dir=logs.resolve(),
                      tail_worker_log=NO_TAIL, head=msrun_head())
     cmd += ["python", "-m", "labkit.launch", "probe", str(spec.resolve())]
     env = python_on_path({k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, logs / ".bin")
@@ -114,13 +128,15 @@ def _join_cluster():
     from mindspore import ops
     from mindspore.communication import get_group_size, get_rank, init
 
+    from labkit.config import ParallelConfig
     from labkit.parallel import context as parallel
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     init()
     rank, size = get_rank(), get_group_size()
-    parallel.set_parallel_context("data_parallel", device_num=size, init_communication=False)
+    parallel.set_parallel_context(ParallelConfig(parallel_mode="data_parallel"), device_num=size,
+                                  init_communication=False)
     align_op = ops.AllReduce()
     one = ms.Tensor([1.0], ms.float32)
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from labkit.errors import LabkitError
-from labkit.parallel.msrun import NO_TAIL, msrun_args, msrun_head
+from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
 
 
 # variables msrun sets for its workers; a launch from inside a worker must not inherit them
@@ -36,21 +36,33 @@ class PreparedLaunch:
     start_step: int  # the step training continues from (resume) or 0
 
 
-def resolve_config(config, overrides=(), *, steps=None, micro_batch=None, accum=None, seed=None, output=None):
-    """A RunConfig from a YAML path or a RunConfig, with `a.b=c` overrides and the train flags applied."""
-    from labkit.config import RunConfig, load, load_run_config, set_dotted, to_dict
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to launch: the run (a config file or RunConfig, `a.b=c` overrides, and the flags `labkit train` shares:
+    steps, micro_batch, accum, seed, output) and where (workers on this node, nodes, this node's rank, node 0's
+    address and scheduler port), and whether it resumes or starts over in an output folder holding a run."""
 
-    sets = list(overrides or [])
-    for key, value in (("train.steps", steps), ("train.micro_batch", micro_batch), ("train.accum", accum),
-                       ("train.seed", seed), ("output_dir", output)):
-        if value is not None:
-            sets.append(f"{key}={value}")
-    if isinstance(config, RunConfig):
-        data = to_dict(config)
-        for item in sets:
-            set_dotted(data, item)
-        return load(RunConfig, data)
-    return load_run_config(config or "configs/tiny_cpu.yaml", sets)
+    config: object = "configs/tiny_cpu.yaml"  # a YAML path or a labkit.config.RunConfig
+    workers: int = 2  # worker processes on this node
+    overrides: tuple | list = ()  # `a.b=c` assignments
+    output: str | Path | None = None
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None  # None: a free one
+    resume: bool = False
+    overwrite: bool = False
+    steps: int | None = None
+    micro_batch: int | None = None
+    accum: int | None = None
+    seed: int | None = None
+
+
+def resolve_config(spec: LaunchSpec):
+    """The RunConfig of a launch: its config with the overrides, then the train flags, applied."""
+    from labkit.config import flag_values, load_run_config
+
+    return load_run_config(spec.config or "configs/tiny_cpu.yaml", list(spec.overrides or []), flag_values(spec))
 
 
 def port_is_free(port: int, host: str = "") -> bool:
@@ -177,18 +189,15 @@ def choose_port(layout: Layout, master_port: int | None) -> int | None:
     return int(master_port)
 
 
-def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, output=None, nodes: int = 1,
-            node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-            resume: bool = False, overwrite: bool = False, steps=None, micro_batch=None, accum=None,
-            seed=None) -> PreparedLaunch:
+def prepare(spec: LaunchSpec) -> PreparedLaunch:
     """Validate a launch without starting anything (the dataset is built here on first use)."""
     from labkit.data import loader
     from labkit.training import run_dir
 
-    layout = check_layout(workers, nodes, node_rank, master_addr, master_port)
-    port = choose_port(layout, master_port)
-    cfg = resolve_config(config, overrides, steps=steps, micro_batch=micro_batch, accum=accum, seed=seed,
-                         output=output)
+    s = spec
+    layout = check_layout(s.workers, s.nodes, s.node_rank, s.master_addr, s.master_port)
+    port = choose_port(layout, s.master_port)
+    cfg = resolve_config(s)
     par = resolve_parallel(cfg, layout.total)
     cfg.parallel.parallel_mode = par.mode
     ds = run_dir.check_dataset(cfg)
@@ -200,14 +209,14 @@ def prepare(config="configs/tiny_cpu.yaml", workers: int = 2, overrides=(), *, o
     # the run folder is shared by the nodes and only node 0 writes run-level files: another node that starts
     # after node 0 has begun must not see node 0's fresh run as an old one (a resume still needs the checkpoint).
     # A resumed checkpoint must fit the config, the dataset and the global batch (run_dir.check_resume*)
-    folder = run_dir.check_run_folder(cfg.output_dir, resume=resume, overwrite=overwrite or node_rank > 0,
-                                      steps=cfg.train.steps, shared=nodes > 1, cfg=cfg, dataset=ds,
-                                      global_batch=par.global_batch)
+    folder = run_dir.check_run_folder(cfg.output_dir, resume=s.resume, overwrite=s.overwrite or s.node_rank > 0,
+                                      steps=cfg.train.steps, shared=s.nodes > 1,
+                                      fit=run_dir.ResumeFit(cfg, dataset=ds, global_batch=par.global_batch))
     cfg.output_dir = str(folder.output)
-    return PreparedLaunch(cfg=cfg, workers=workers, nodes=nodes, node_rank=node_rank, total=layout.total,
+    return PreparedLaunch(cfg=cfg, workers=s.workers, nodes=s.nodes, node_rank=s.node_rank, total=layout.total,
                           mode=par.mode, dp=par.dp, global_batch=par.global_batch, dataset=cfg.data.dataset,
                           output=str(folder.output), master_addr=layout.master_addr, master_port=port,
-                          resume=resume, start_step=folder.start_step)
+                          resume=s.resume, start_step=folder.start_step)
 
 
 def python_on_path(env: dict, shim_dir: Path) -> dict:
@@ -249,7 +258,7 @@ def command(pl: PreparedLaunch, config_file: Path, logs: Path) -> list[str]:
     args = ["train", "--config", str(config_file), "--json"] + (["--resume"] if pl.resume else [])
     if pl.total == 1:  # the entry msrun runs too: a worker the launcher watches, not `labkit train`'s own watcher
         return ["python", "-m", "labkit.launch"] + args
-    head = msrun_args(pl.total, pl.workers, master_addr=pl.master_addr, master_port=pl.master_port,
-                      node_rank=pl.node_rank if pl.nodes > 1 else None, log_dir=logs,
-                      cluster_time_out=cluster_timeout(pl.cfg), tail_worker_log=NO_TAIL, head=msrun_head())
+    cluster = Cluster(pl.total, pl.workers, master_port=pl.master_port, master_addr=pl.master_addr,
+                      node_rank=pl.node_rank if pl.nodes > 1 else None, cluster_time_out=cluster_timeout(pl.cfg))
+    head = msrun_args(cluster, log_dir=logs, tail_worker_log=NO_TAIL, head=msrun_head())
     return head + ["python", "-m", "labkit.launch"] + args

@@ -14,7 +14,7 @@ from pathlib import Path
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.launch.supervisor import FINISHED, Supervisor, log_tail, supervise
 from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
-from labkit.parallel.msrun import msrun_args, msrun_head
+from labkit.parallel.msrun import Cluster, msrun_args, msrun_head
 
 
 @dataclass
@@ -39,7 +39,7 @@ def run_workers(task: list[str], workers: int, cwd: Path, *, what: str, timeout:
     env = python_on_path({**{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, **(env or {})},
                          logs / ".bin")
     env["GLOG_v"] = "3"
-    cmd = msrun_args(workers, workers, master_port=free_port(), log_dir=logs, head=msrun_head()) + list(task)
+    cmd = msrun_args(Cluster(workers, workers, master_port=free_port()), log_dir=logs, head=msrun_head()) + list(task)
     t0 = time.time()
     with open(logs / "msrun.log", "w", encoding="utf-8") as sink:
         root = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=sink,

@@ -44,16 +44,30 @@ def backend_flags(device_target: str, use_flash_attention: bool | None = None) -
     raise LabkitError(f"unknown device_target '{device_target}'", "use CPU, GPU or Ascend")
 
 
-def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, device_target: str = "CPU",
-                        compute_dtype: str = "float32", param_dtype: str = "float32",
-                        softmax_dtype: str = "float32", norm_dtype: str = "float32",
-                        use_flash_attention: bool | None = None) -> dict:
+@dataclass(frozen=True)
+class Backend:
+    """How the model computes: the device target, the dtypes (labkit.config.AMP_LEVELS gives them per mixed-precision
+    level: Backend(**AMP_LEVELS[level])), flash attention (None: what the target supports) and, on CPU, MindSpore's
+    own kernels or labkit's C++ ones."""
+
+    device_target: str = "CPU"
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    softmax_dtype: str = "float32"
+    norm_dtype: str = "float32"
+    use_flash_attention: bool | None = None
+    kernels: str = "native"  # one of labkit.model.kernels.KERNELS
+
+
+def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1,
+                        backend: Backend = Backend()) -> dict:
     """The mindformers `LlamaConfig` arguments for this model (also written out as mindformers YAML)."""
-    for name, dt in (("compute_dtype", compute_dtype), ("param_dtype", param_dtype),
-                     ("softmax_dtype", softmax_dtype), ("norm_dtype", norm_dtype)):
+    b = backend
+    for name, dt in (("compute_dtype", b.compute_dtype), ("param_dtype", b.param_dtype),
+                     ("softmax_dtype", b.softmax_dtype), ("norm_dtype", b.norm_dtype)):
         if dt not in DTYPES:
             raise LabkitError(f"{name} '{dt}' is not supported", f"use one of {', '.join(DTYPES)}")
-    flags = backend_flags(device_target, use_flash_attention)
+    flags = backend_flags(b.device_target, b.use_flash_attention)
     return dict(
         batch_size=batch_size, seq_length=seq_length, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads if cfg.kv_heads != cfg.num_heads else None,
@@ -62,35 +76,29 @@ def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 
         max_position_embedding=cfg.max_position_embeddings,
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
         tie_word_embeddings=cfg.tie_word_embeddings, init_method_std=cfg.init_std,
-        compute_dtype=compute_dtype, layernorm_compute_type=norm_dtype, softmax_compute_type=softmax_dtype,
-        rotary_dtype="float32", param_init_type=param_dtype, embedding_init_type=param_dtype,
+        compute_dtype=b.compute_dtype, layernorm_compute_type=b.norm_dtype, softmax_compute_type=b.softmax_dtype,
+        rotary_dtype="float32", param_init_type=b.param_dtype, embedding_init_type=b.param_dtype,
         fused_rms_norm=flags.fused_rms_norm, use_rope_slice=flags.use_rope_slice,
         use_flash_attention=flags.use_flash_attention, disable_lazy_inline=flags.disable_lazy_inline,
     )
 
 
-def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, device_target: str = "CPU",
-                compute_dtype: str = "float32", param_dtype: str = "float32",
-                softmax_dtype: str = "float32", norm_dtype: str = "float32",
-                use_flash_attention: bool | None = None, recompute_layers: list[int] | None = None,
-                parallel_config: dict | None = None, no_init: bool = False, seed: int | None = None,
-                kernels: str = "native"):
-    """A `mindformers.LlamaForCausalLM`.
+def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, backend: Backend = Backend(),
+                recompute_layers: list[int] | None = None, parallel_config: dict | None = None, no_init: bool = False,
+                seed: int | None = None):
+    """A `mindformers.LlamaForCausalLM` computing as `backend` says.
 
     recompute_layers: indices of decoder layers whose activations are recomputed in the backward pass.
     no_init: build the structure without allocating weights (exact shapes and counts, ~no memory).
     seed: re-initialise with labkit's documented scheme (see `init_weights`); None keeps mindformers' init.
-    kernels: "custom" runs RMSNorm, SwiGLU, RoPE, the attention softmax and the cross-entropy as C++ operators on CPU
-        (labkit.model.kernels; the trainer adds the AdamW update); GPU/Ascend and "native" keep mindformers' cells.
+    backend.kernels: "custom" runs RMSNorm, SwiGLU, RoPE, the attention softmax and the cross-entropy as C++ operators
+        on CPU (labkit.model.kernels; the trainer adds the AdamW update); GPU/Ascend and "native" keep mindformers'.
     """
     quiet_mindformers()
     import mindspore as ms
     from mindformers import LlamaConfig, LlamaForCausalLM
 
-    kwargs = llama_config_kwargs(cfg, seq_length=seq_length, batch_size=batch_size, device_target=device_target,
-                                 compute_dtype=compute_dtype, param_dtype=param_dtype,
-                                 softmax_dtype=softmax_dtype, norm_dtype=norm_dtype,
-                                 use_flash_attention=use_flash_attention)
+    kwargs = llama_config_kwargs(cfg, seq_length=seq_length, batch_size=batch_size, backend=backend)
     if parallel_config:
         kwargs["parallel_config"] = parallel_config
     llama_cfg = LlamaConfig(**kwargs)
@@ -101,9 +109,9 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, devic
     model = LlamaForCausalLM(config=llama_cfg)  # keyword: the lazy-inline decorator reads kwargs['config']
     if seed is not None:
         init_weights(model, cfg, seed)
-    if kernels not in KERNELS:
-        raise LabkitError(f"kernels '{kernels}' is not known", f"use one of {', '.join(KERNELS)}")
-    if kernels == "custom" and device_target == "CPU":
+    if backend.kernels not in KERNELS:
+        raise LabkitError(f"kernels '{backend.kernels}' is not known", f"use one of {', '.join(KERNELS)}")
+    if backend.kernels == "custom" and backend.device_target == "CPU":
         use_custom_kernels(model)
     for i in recompute_layers or []:
         if not 0 <= i < cfg.num_layers:

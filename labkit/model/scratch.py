@@ -159,7 +159,17 @@ def rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, cos, sin, adder):
+@dataclass(frozen=True)
+class Frame:
+    """What every layer of one forward pass reads besides its input: the RoPE tables of the sequence length and
+    the batch's additive attention mask."""
+
+    cos: object
+    sin: object
+    adder: object  # [b, 1, s, s], mask_adder
+
+
+def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, frame: Frame):
     """Causal grouped-query attention over the heads this worker holds; returns wo's (partial, under TP) output."""
     from mindspore import ops
 
@@ -167,13 +177,13 @@ def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, cos, sin, ad
     d = cfg.hidden_size // cfg.num_heads
     heads, kv = cfg.num_heads // shard.tp_size, cfg.kv_heads // shard.tp_size
     split = lambda t, n: ops.transpose(ops.reshape(t, (b, s, n, d)), (0, 2, 1, 3))  # noqa: E731
-    q = rope(split(ops.matmul(h, p[pre + "attention.wq.weight"].T), heads), cos, sin)
-    k = rope(split(ops.matmul(h, p[pre + "attention.wk.weight"].T), kv), cos, sin)
+    q = rope(split(ops.matmul(h, p[pre + "attention.wq.weight"].T), heads), frame.cos, frame.sin)
+    k = rope(split(ops.matmul(h, p[pre + "attention.wk.weight"].T), kv), frame.cos, frame.sin)
     v = split(ops.matmul(h, p[pre + "attention.wv.weight"].T), kv)
     if heads != kv:  # each group of heads // kv query heads reads one key/value head
         k, v = ops.repeat_interleave(k, heads // kv, 1), ops.repeat_interleave(v, heads // kv, 1)
     scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(d))
-    scores = scores + adder
+    scores = scores + frame.adder
     ctx = ops.matmul(ops.softmax(scores, axis=-1), v)
     ctx = ops.reshape(ops.transpose(ctx, (0, 2, 1, 3)), (b, s, heads * d))
     return ops.matmul(ctx, p[pre + "attention.wo.weight"].T)
@@ -200,11 +210,11 @@ def mlp(p: dict, pre: str, h):
     return ops.matmul(gate * ops.matmul(h, p[pre + "feed_forward.w3.weight"].T), p[pre + "feed_forward.w2.weight"].T)
 
 
-def layer(p: dict, i: int, x, cfg: ModelConfig, shard: Shard, hooks: Hooks, cos, sin, adder):
+def layer(p: dict, i: int, x, cfg: ModelConfig, shard: Shard, hooks: Hooks, frame: Frame):
     """One decoder layer. `x` is the residual stream (sequence-sharded under SP)."""
     pre = LAYER.format(i)
     h = hooks.block_in(rms_norm(x, p[pre + "attention_norm.weight"], cfg.rms_norm_eps))
-    x = x + hooks.block_out(attention(p, pre, h, cfg, shard, cos, sin, adder))
+    x = x + hooks.block_out(attention(p, pre, h, cfg, shard, frame))
     h = hooks.block_in(rms_norm(x, p[pre + "ffn_norm.weight"], cfg.rms_norm_eps))
     return x + hooks.block_out(mlp(p, pre, h))
 
@@ -228,10 +238,9 @@ def stage(p: dict, x, mask, cfg: ModelConfig, shard: Shard = Shard(), hooks: Hoo
     0 where it is padding (every stage has it: it comes with the batch)."""
     if shard.first(cfg):
         x = embed(p, x, hooks)
-    cos, sin = rope_tables(cfg, mask.shape[1])
-    adder = mask_adder(mask)
+    frame = Frame(*rope_tables(cfg, mask.shape[1]), mask_adder(mask))
     for i in shard.layers(cfg):
-        x = layer(p, i, x, cfg, shard, hooks, cos, sin, adder)
+        x = layer(p, i, x, cfg, shard, hooks, frame)
     return head(p, x, cfg, hooks) if shard.last(cfg) else x
 
 

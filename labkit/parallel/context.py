@@ -16,6 +16,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from labkit.config import ParallelConfig
 from labkit.errors import LabkitError
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
@@ -42,18 +43,19 @@ def require_hardware(parallel_mode: str, device_target: str, device_num: int) ->
                           "start >= 2 workers (msrun --worker_num=N), or use stand_alone for one device")
 
 
-def set_parallel_context(parallel_mode: str, *, device_num: int, search_mode: str = "sharding_propagation",
-                         strategy_ckpt_path: str | None = None, enable_parallel_optimizer: bool = False,
-                         gradients_mean: bool = True, pipeline_stages: int = 1, device_target: str | None = None,
-                         init_communication: bool = True, extra: dict | None = None) -> dict:
-    """Set MindSpore's auto-parallel context for a mode (the real calls) and return what was set.
+def set_parallel_context(par: ParallelConfig, *, device_num: int, strategy_ckpt_path: str | None = None,
+                         gradients_mean: bool = True, init_communication: bool = True,
+                         extra: dict | None = None) -> dict:
+    """Set MindSpore's auto-parallel context for a run's parallel settings (its parallel_mode, search_mode,
+    optimizer_shard, pp and device_target; the real calls) and return what was set.
 
     Call it in every worker after `mindspore.set_context(device_target=...)`. With init_communication, it calls
     `mindspore.communication.init()` (hccl on Ascend, nccl on GPU, mccl on CPU) unless already done.
     extra: further `set_auto_parallel_context` keys (e.g. full_batch, dataset_strategy)."""
     import mindspore as ms
 
-    device_target = device_target or ms.get_context("device_target")
+    parallel_mode, search_mode, device_target = par.parallel_mode, par.search_mode, par.device_target
+    enable_parallel_optimizer, pipeline_stages = par.optimizer_shard, par.pp
     require_hardware(parallel_mode, device_target, device_num)
     if search_mode not in SEARCH_MODES:
         raise LabkitError(f"search_mode '{search_mode}' is not known", f"use {' or '.join(SEARCH_MODES)}")

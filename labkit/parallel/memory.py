@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from labkit.config import RECOMPUTE, ModelConfig
+from labkit.config import RECOMPUTE, Layout, ModelConfig
 from labkit.parallel.devices import GIB
 from labkit.errors import LabkitError
 
@@ -30,6 +30,19 @@ PRECISIONS = {
     "fp16": Precision(act=2, param=2, grad=2),
     "bf16": Precision(act=2, param=2, grad=2),
 }
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a step computes, as far as its memory and time see it: the precision of weights and activations, an fp32
+    master copy of the weights kept by the optimizer, flash attention, and fused RMSNorm and SiLU kernels (the
+    planner takes these two from the device: MindSpore 2.9 has neither on CPU)."""
+
+    precision: str = "fp16"  # one of PRECISIONS
+    master_weights: bool = False
+    flash_attention: bool = True
+    fused_norm: bool = True
+    fused_silu: bool = True
 
 
 MOMENT_BYTES = 8  # AdamW m and v in float32 (mindformers.core.optim.AdamW clones them as float32)
@@ -71,8 +84,8 @@ def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
 
 
 def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
-                      sequence_parallel: bool = False, recompute: str = "none", flash_attention: bool = True,
-                      fused_norm: bool = True, fused_silu: bool = True) -> dict[str, float]:
+                      sequence_parallel: bool = False, recompute: str = "none",
+                      numerics: Numerics = Numerics()) -> dict[str, float]:
     """Activation elements of one decoder layer for one micro-batch: `stored` (kept for the backward pass) and
     `working` (re-materialised for one layer at a time in the backward pass when recomputing).
 
@@ -86,8 +99,9 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
     as well."""
     s, b, h, f, a = seq_len, micro_batch, cfg.hidden_size, cfg.ffn_size, cfg.num_heads
     sbh = s * b * h
+    flash_attention, fused_norm = numerics.flash_attention, numerics.fused_norm
     kv = cfg.kv_heads * cfg.head_dim if flash_attention else h
-    early = early_backward_elements(cfg, seq_len, micro_batch, fused_norm=fused_norm, fused_silu=fused_silu)
+    early = early_backward_elements(cfg, seq_len, micro_batch, fused_norm=fused_norm, fused_silu=numerics.fused_silu)
     norms = 2 * ((2 if fused_norm else 3) * sbh + early["per_norm"])
     split = sbh * 2 + 2 * s * b * kv + 4 * s * b * f + early["ffn"]
     scores = 0.0 if flash_attention else a * s * s * b
@@ -139,37 +153,46 @@ def adamw_early_bytes(params: float) -> float:
     return 4.0 * params
 
 
-def memory_breakdown(cfg: ModelConfig, *, seq_len: int, dp: int = 1, mp: int = 1, pp: int = 1,
-                     micro_batch: int = 1, accum: int = 1, recompute: str = "none", optimizer_shard: bool = False,
-                     precision: str = "fp16", master_weights: bool = False, flash_attention: bool = True,
-                     sequence_parallel: bool = False, fused_norm: bool = True, fused_silu: bool = True,
+def memory_breakdown(cfg: ModelConfig, layout: Layout = Layout(), *, seq_len: int, numerics: Numerics = Numerics(),
                      overhead_gib: float = 0.0) -> dict[str, float]:
-    """Peak memory of the most loaded device, in GiB, by part (see the module docstring)."""
-    prec = precision_of(precision)
-    bpp = bytes_per_param(precision, master_weights)
-    stages = stage_params(cfg, mp, pp)
+    """Peak memory of the most loaded device, in GiB, by part (see the module docstring). With only some layers
+    recomputed (`last:K`...), the breakdowns of the planner's modes weighted (Recompute.planner_modes)."""
+    modes = layout.recompute.planner_modes(cfg.num_layers)
+    if len(modes) > 1:
+        each = [(w, _breakdown(cfg, layout, mode, seq_len, numerics)) for mode, w in modes.items()]
+        out = {k: v if k in ("stage", "params") else sum(w * b[k] for w, b in each) for k, v in each[0][1].items()}
+    else:
+        out = _breakdown(cfg, layout, next(iter(modes)), seq_len, numerics)
+    total = out.pop("total")
+    out["overhead"] = overhead_gib
+    out["total"] = total + overhead_gib
+    return out
+
+
+def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n: Numerics) -> dict:
+    """memory_breakdown for one of the planner's modes, every layer alike; `total` without the overhead."""
+    prec = precision_of(n.precision)
+    bpp = bytes_per_param(n.precision, n.master_weights)
+    mp, micro_batch = layout.mp, layout.micro_batch
+    stages = stage_params(cfg, mp, layout.pp)
     worst = None
     for name, st in stages.items():
         params = st["params"]
         weights = params * bpp["weights"]
         grads = params * bpp["gradients"]
-        opt = params * bpp["optimizer"] / (dp if optimizer_shard else 1)
-        layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=sequence_parallel,
-                                  recompute=recompute, flash_attention=flash_attention, fused_norm=fused_norm,
-                                  fused_silu=fused_silu)
-        in_flight = min(pp if name == "first" else 1, accum)  # 1F1B: stage k holds p - k micro-batches
+        opt = params * bpp["optimizer"] / (layout.dp if layout.optimizer_shard else 1)
+        layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=layout.sequence_parallel,
+                                  recompute=recompute, numerics=n)
+        in_flight = min(layout.pp if name == "first" else 1, layout.accum)  # 1F1B: stage k holds p - k micro-batches
         loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=prec.act,
-                                fused_norm=fused_norm) if name != "first" else 0.0
-        mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, flash_attention) * prec.act
+                                fused_norm=n.fused_norm) if name != "first" else 0.0
+        mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, n.flash_attention) * prec.act
         acts = in_flight * st["layers"] * layer["stored"] * prec.act + mask + max(loss, layer["working"] * prec.act)
         parts = {"weights": weights, "gradients": grads, "optimizer": opt, "activations": acts}
         total = sum(parts.values())
         if worst is None or total > worst[1]:
             worst = ({**{k: v / GIB for k, v in parts.items()}, "stage": name, "params": params}, total)
-    out = worst[0]
-    out["overhead"] = overhead_gib
-    out["total"] = worst[1] / GIB + overhead_gib
-    return out
+    return {**worst[0], "total": worst[1] / GIB}
 
 
 def precision_of(precision: str) -> Precision:

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import yaml
 
+from labkit.config import Layout
 from labkit.errors import LabkitError
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
-CONSTRAINT_KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")
 SEARCH_MODES = ("sharding_propagation", "recursive_programming")
 
 
-def mindformers_parallel_config(strategy: dict, *, parallel_mode: str = "semi_auto_parallel",
-                                search_mode: str = "sharding_propagation", sequence_parallel: bool = False) -> dict:
+def mindformers_parallel_config(layout: Layout, *, parallel_mode: str = "semi_auto_parallel",
+                                search_mode: str = "sharding_propagation", num_layers: int | None = None) -> dict:
     """The `parallel`, `parallel_config`, `recompute_config` and `runner_config` blocks of a mindformers run YAML
-    for a strategy (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml)."""
+    for a layout (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml). `num_layers` is needed
+    only when the layout recomputes some layers (`last:K`...): mindformers counts them per pipeline stage."""
     if parallel_mode not in PARALLEL_MODES:
         raise LabkitError(f"parallel_mode '{parallel_mode}' is not known", f"use {', '.join(PARALLEL_MODES)}")
     if search_mode not in SEARCH_MODES:
         raise LabkitError(f"search_mode '{search_mode}' is not known", f"use {' or '.join(SEARCH_MODES)}")
-    s = {k: strategy[k] for k in CONSTRAINT_KEYS}
+    s = layout.row()
     pipeline = s["pp"] > 1
+    rc = layout.recompute.mindformers(num_layers, s["pp"])
     return {
         "use_parallel": True,
         "parallel": {"parallel_mode": PARALLEL_MODES[parallel_mode], "gradients_mean": False,
@@ -31,21 +33,20 @@ def mindformers_parallel_config(strategy: dict, *, parallel_mode: str = "semi_au
                      "parallel_optimizer_config": {"gradient_accumulation_shard": False,
                                                    "parallel_optimizer_threshold": 64}},
         "parallel_config": {"data_parallel": s["dp"], "model_parallel": s["mp"], "pipeline_stage": s["pp"],
-                            "use_seq_parallel": bool(sequence_parallel),
+                            "use_seq_parallel": bool(layout.sequence_parallel),
                             "micro_batch_num": s["accum"] if pipeline else 1,
                             "vocab_emb_dp": True, "gradient_aggregation_group": 4},
         "micro_batch_interleave_num": 1,
-        "recompute_config": {"recompute": s["recompute"] == "full", "select_recompute": s["recompute"] == "selective",
-                             "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
+        "recompute_config": {**rc, "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
                              "recompute_slice_activation": True},
         "runner_config": {"batch_size": s["micro_batch"], "gradient_accumulation_steps": 1 if pipeline else s["accum"]},
     }
 
 
-def mindformers_parallel_yaml(strategy: dict, **options) -> str:
+def mindformers_parallel_yaml(layout: Layout, **options) -> str:
     """mindformers_parallel_config() as YAML text, under a comment naming the plan and the less obvious keys."""
-    doc = mindformers_parallel_config(strategy, **options)
-    s = {k: strategy[k] for k in CONSTRAINT_KEYS}
+    doc = mindformers_parallel_config(layout, **options)
+    s = layout.row()
     head = (f"# planned: dp={s['dp']} mp={s['mp']} pp={s['pp']}, micro_batch {s['micro_batch']} x {s['accum']} "
             f"micro-steps, recompute {s['recompute']}, optimizer_shard {s['optimizer_shard']}\n"
             "# parallel_mode: 0 data, 1 semi-auto, 2 auto parallel; search_mode: used by auto_parallel only;\n"

@@ -4,6 +4,7 @@ printed command all build their line here, so a flag is spelled once."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.errors import LabkitError
@@ -18,13 +19,24 @@ def msrun_head(executable: str | None = None) -> list[str]:
     return [str(script)] if script.exists() else [str(exe), "-m", "mindspore.parallel.cluster.run"]
 
 
-def msrun_args(worker_num: int, local_worker_num: int, *, master_port: int, log_dir, master_addr: str | None = None,
-               node_rank: int | None = None, cluster_time_out: int | None = None, tail_worker_log: str | None = None,
-               head=("msrun",)) -> list[str]:
-    """The msrun command line up to (not including) the task it starts on every process.
+@dataclass(frozen=True)
+class Cluster:
+    """The processes msrun starts and how they find each other: workers in all and on this node, node 0's scheduler
+    port and address, this node's rank, and how many seconds they wait for the whole cluster to gather.
+    `master_addr` and `node_rank` are written when given (`node_rank` only matters with several nodes)."""
 
-    `master_addr` and `node_rank` are written when given (`node_rank` only matters with several nodes);
-    `cluster_time_out` is how many seconds msrun's processes wait for the whole cluster to gather."""
+    worker_num: int
+    local_worker_num: int
+    master_port: int
+    master_addr: str | None = None
+    node_rank: int | None = None
+    cluster_time_out: int | None = None
+
+
+def msrun_args(cluster: Cluster, *, log_dir, tail_worker_log: str | None = None, head=("msrun",)) -> list[str]:
+    """The msrun command line up to (not including) the task it starts on every process."""
+    worker_num, local_worker_num = cluster.worker_num, cluster.local_worker_num
+    master_addr, node_rank, cluster_time_out = cluster.master_addr, cluster.node_rank, cluster.cluster_time_out
     if worker_num < 1 or local_worker_num < 1 or worker_num % local_worker_num:
         raise LabkitError(f"msrun: {worker_num} workers do not split into nodes of {local_worker_num}",
                           "give a worker count that is a multiple of the workers per node")
@@ -33,7 +45,7 @@ def msrun_args(worker_num: int, local_worker_num: int, *, master_port: int, log_
         cmd.append(f"--master_addr={master_addr}")
     if node_rank is not None:
         cmd.append(f"--node_rank={node_rank}")
-    cmd += [f"--master_port={master_port}", f"--log_dir={log_dir}", "--join=True"]
+    cmd += [f"--master_port={cluster.master_port}", f"--log_dir={log_dir}", "--join=True"]
     if cluster_time_out is not None:
         cmd.append(f"--cluster_time_out={int(cluster_time_out)}")
     if tail_worker_log is not None:
@@ -41,15 +53,17 @@ def msrun_args(worker_num: int, local_worker_num: int, *, master_port: int, log_
     return cmd
 
 
-def msrun_command(strategy: dict, nodes: int = 1, *, node_rank: int = 0, master_addr: str = "127.0.0.1",
+def msrun_command(layout, nodes: int = 1, *, node_rank: int = 0, master_addr: str = "127.0.0.1",
                   master_port: int = 8118, log_dir: str = "output/msrun_log",
                   script: str = "run_mindformer.py --config pretrain_llama2_7b.yaml --use_parallel True "
                                 "--run_mode train") -> str:
-    """The msrun line that starts a planner strategy's workers on one node (run it on every node with its rank)."""
-    devices = strategy["dp"] * strategy["mp"] * strategy["pp"]
+    """The msrun line that starts a layout's (labkit.config.Layout) workers on one node (run it on every node with
+    its rank)."""
+    devices = layout.devices
     if nodes < 1 or devices % nodes:
         raise LabkitError(f"{devices} devices do not split evenly over {nodes} nodes")
     multi = nodes > 1
-    args = msrun_args(devices, devices // nodes, master_port=master_port, log_dir=log_dir,
-                      master_addr=master_addr if multi else None, node_rank=node_rank if multi else None)
+    cluster = Cluster(devices, devices // nodes, master_port=master_port, master_addr=master_addr if multi else None,
+                      node_rank=node_rank if multi else None)
+    args = msrun_args(cluster, log_dir=log_dir)
     return " ".join(args + [script])

@@ -14,13 +14,14 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from labkit.config import RECOMPUTE, ModelConfig
+from labkit.config import RECOMPUTE, Layout, ModelConfig, Recompute
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import flops_per_token, num_params, param_counts
-from labkit.parallel.mindformers_yaml import CONSTRAINT_KEYS, mindformers_parallel_yaml
+from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
-from labkit.parallel.memory import PRECISIONS, bytes_per_param, memory_breakdown, precision_of, stage_params
+from labkit.parallel.memory import (PRECISIONS, Numerics, bytes_per_param, memory_breakdown, precision_of,
+                                    stage_params)
 
 
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
@@ -45,46 +46,21 @@ DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe 
 #     fp32 this product takes exactly the place (4 bytes per parameter) of the planner's gradient buffer.
 
 
-# --------------------------------------------------------------------------------------------- time model
+# ------------------------------------------------------------------------------------- what a plan is for
 
 
-def step_time(cfg: ModelConfig, dev: Device, *, seq_len: int, global_batch: int, dp: int, mp: int, pp: int,
-              micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, precision: str,
-              peak_tflops: float, efficiency: float, nodes: int, sequence_parallel: bool = False) -> dict:
-    """Seconds per optimizer step, by part, and the throughput it implies."""
-    prec = precision_of(precision)
-    devices = dp * mp * pp
-    per_node = max(1, devices // nodes)
-    tokens = global_batch * seq_len
-    fpt = flops_per_token(cfg, seq_len, recompute)
-    peak = peak_tflops * 1e12
-    compute = tokens * fpt["hardware"] / devices / (peak * efficiency)
-    bubble = compute * (pp - 1) / accum
-    layers = math.ceil(cfg.num_layers / pp)
-    act_msg = micro_batch * seq_len * cfg.hidden_size * prec.act  # one activation tensor of one micro-batch
-    bw = {True: dev.intra_node_gbps * 1e9, False: dev.inter_node_gbps * 1e9}
-    tp = 0.0
-    if mp > 1:  # 2 all-reduces forward, 2 backward per layer (Megatron); full recompute repeats the forward 2
-        n_ar = 6 if recompute == "full" else 4
-        tp = n_ar * 2 * (mp - 1) / mp * act_msg * layers * accum / bw[mp <= per_node]
-    pp_t = 0.0
-    if pp > 1:  # each micro-batch: activations forward, their gradients backward, across one stage boundary
-        pp_t = 2 * accum * act_msg / (mp if sequence_parallel else 1) / bw[devices <= per_node]
-    dp_t = 0.0
-    if dp > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
-        params = max(st["params"] for st in stage_params(cfg, mp, pp).values())
-        dp_t = 2 * (dp - 1) / dp * params * prec.grad / bw[dp * mp <= per_node]
-    total = compute + bubble + tp + pp_t + dp_t
-    return {
-        "step_time_s": total,
-        "time_s": {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_comm": pp_t, "dp_comm": dp_t},
-        "tokens_per_s": tokens / total,
-        "tokens_per_s_per_device": tokens / total / devices,
-        "mfu": tokens * fpt["model"] / total / devices / peak,
-    }
+@dataclass(frozen=True)
+class Machine:
+    """The devices a plan is for: how many, the memory of each, the device preset (peak FLOP/s, bandwidths, framework
+    overhead) and the servers they sit in, with the preset's figures overridden where given."""
 
-
-# ------------------------------------------------------------------------------------------------- search
+    devices: int
+    device_memory_gib: float
+    device: str | Device = "atlas_800t_a2"
+    nodes: int | None = None  # None: as many as the preset's devices_per_node needs
+    peak_tflops: float | None = None  # None: the preset's peak for the precision
+    efficiency: float = DEFAULT_EFFICIENCY  # achievable fraction of peak
+    overhead_gib: float | None = None  # None: the preset's
 
 
 @dataclass(frozen=True)
@@ -96,133 +72,217 @@ class Setting:
     nodes: int
     seq_len: int
     global_batch: int
-    precision: str
+    numerics: Numerics  # fused_norm and fused_silu: the device's
     peak_tflops: float
     efficiency: float
-    flash_attention: bool
-    master_weights: bool
     sequence_parallel: bool
     overhead_gib: float
-    fused_norm: bool
-    fused_silu: bool
     constraints: dict  # pinned strategy keys (None = searched)
 
 
-def plan(model_cfg: ModelConfig, devices: int, device_memory_gib: float, *, device: str | Device = "atlas_800t_a2",
-         seq_len: int = 4096, global_batch: int | None = None, precision: str = "fp16", nodes: int | None = None,
-         peak_tflops: float | None = None, efficiency: float = DEFAULT_EFFICIENCY, flash_attention: bool = True,
-         constraints: dict | None = None, master_weights: bool = False, sequence_parallel: bool = False,
-         overhead_gib: float | None = None) -> dict:
-    """Every strategy for `devices` devices of `device_memory_gib` GiB, ranked by predicted throughput.
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy the planner judged: its layout, memory per device by part (GiB: weights, gradients, optimizer,
+    activations, overhead, total) on the most loaded `stage`, time per step (and by part), throughput, MFU, and
+    whether it fits (if not, `why_not`)."""
 
-    constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it).
-    nodes: servers the devices sit in (None = as many as the preset's devices_per_node needs)."""
-    st = setting(devices, device_memory_gib, device=device, seq_len=seq_len, global_batch=global_batch,
-                 precision=precision, nodes=nodes, peak_tflops=peak_tflops, efficiency=efficiency,
-                 flash_attention=flash_attention, constraints=constraints, master_weights=master_weights,
-                 sequence_parallel=sequence_parallel, overhead_gib=overhead_gib)
+    layout: Layout
+    memory_gib: dict
+    stage: str  # only, first or last
+    params_per_device: int
+    step_time_s: float
+    time_s: dict  # by part: compute, bubble, tp_comm, pp_comm, dp_comm
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    fits: bool
+    why_not: str | None = None
+
+    dp = property(lambda self: self.layout.dp)
+    mp = property(lambda self: self.layout.mp)
+    pp = property(lambda self: self.layout.pp)
+    micro_batch = property(lambda self: self.layout.micro_batch)
+    accum = property(lambda self: self.layout.accum)
+    optimizer_shard = property(lambda self: self.layout.optimizer_shard)
+
+    @property
+    def recompute(self) -> str:
+        """The layout's recomputation as text: the planner's mode (none, selective, full), or `last:K` and the like."""
+        return self.layout.row()["recompute"]
+
+    def to_dict(self) -> dict:
+        """As JSON holds it (`labkit plan --json`): the layout's keys, then the figures."""
+        out = {**self.layout.row(), **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                       if f.name != "layout"}}
+        return out if self.why_not else {k: v for k, v in out.items() if k != "why_not"}
+
+
+# --------------------------------------------------------------------------------------------- time model
+
+
+def step_time(cfg: ModelConfig, layout: Layout, st: Setting) -> dict:
+    """Seconds per optimizer step, by part, and the throughput it implies. With only some layers recomputed, the
+    parts of the planner's modes weighted (Recompute.planner_modes)."""
+    parts: dict[str, float] = {}
+    for mode, w in layout.recompute.planner_modes(cfg.num_layers).items():
+        for k, v in _time_parts(cfg, layout, st, mode).items():
+            parts[k] = parts.get(k, 0.0) + w * v
+    devices, tokens = layout.devices, layout.global_batch * st.seq_len
+    total = sum(parts.values())
+    return {
+        "step_time_s": total,
+        "time_s": parts,
+        "tokens_per_s": tokens / total,
+        "tokens_per_s_per_device": tokens / total / devices,
+        "mfu": tokens * flops_per_token(cfg, st.seq_len)["model"] / total / devices / (st.peak_tflops * 1e12),
+    }
+
+
+def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -> dict[str, float]:
+    """Seconds per step by part for one of the planner's modes, every layer alike."""
+    dp, mp, pp, accum = layout.dp, layout.mp, layout.pp, layout.accum
+    prec = precision_of(st.numerics.precision)
+    devices = layout.devices
+    per_node = max(1, devices // st.nodes)
+    tokens = layout.global_batch * st.seq_len
+    fpt = flops_per_token(cfg, st.seq_len, recompute)
+    compute = tokens * fpt["hardware"] / devices / (st.peak_tflops * 1e12 * st.efficiency)
+    bubble = compute * (pp - 1) / accum
+    layers = math.ceil(cfg.num_layers / pp)
+    act_msg = layout.micro_batch * st.seq_len * cfg.hidden_size * prec.act  # one activation tensor of a micro-batch
+    bw = {True: st.device.intra_node_gbps * 1e9, False: st.device.inter_node_gbps * 1e9}
+    tp = 0.0
+    if mp > 1:  # 2 all-reduces forward, 2 backward per layer (Megatron); full recompute repeats the forward 2
+        n_ar = 6 if recompute == "full" else 4
+        tp = n_ar * 2 * (mp - 1) / mp * act_msg * layers * accum / bw[mp <= per_node]
+    pp_t = 0.0
+    if pp > 1:  # each micro-batch: activations forward, their gradients backward, across one stage boundary
+        pp_t = 2 * accum * act_msg / (mp if layout.sequence_parallel else 1) / bw[devices <= per_node]
+    dp_t = 0.0
+    if dp > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
+        params = max(s["params"] for s in stage_params(cfg, mp, pp).values())
+        dp_t = 2 * (dp - 1) / dp * params * prec.grad / bw[dp * mp <= per_node]
+    return {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_comm": pp_t, "dp_comm": dp_t}
+
+
+# ------------------------------------------------------------------------------------------------- search
+
+
+def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, global_batch: int | None = None,
+         numerics: Numerics = Numerics(), sequence_parallel: bool = False, constraints: dict | None = None) -> dict:
+    """Every strategy for the machine's devices, ranked by predicted throughput.
+
+    numerics: precision, master weights, flash attention (the fused kernels are the device's).
+    constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it)."""
+    st = setting(machine, seq_len=seq_len, global_batch=global_batch, numerics=numerics,
+                 sequence_parallel=sequence_parallel, constraints=constraints)
     strategies, skipped = [], {}
     for cand, reason in candidates(model_cfg, st):
         if reason:
             skipped[reason] = skipped.get(reason, 0) + 1
         else:
             strategies.append(strategy_row(model_cfg, st, cand))
-    strategies.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], r["memory_gib"]["total"]))
+    strategies.sort(key=lambda r: (not r.fits, -r.tokens_per_s, r.memory_gib["total"]))
     return _result(model_cfg, st, strategies, skipped)
 
 
-def setting(devices: int, device_memory_gib: float, *, device: str | Device, seq_len: int, global_batch: int | None,
-            precision: str, nodes: int | None, peak_tflops: float | None, efficiency: float, flash_attention: bool,
-            constraints: dict | None, master_weights: bool, sequence_parallel: bool,
-            overhead_gib: float | None) -> Setting:
+def setting(machine: Machine, *, seq_len: int, global_batch: int | None, numerics: Numerics,
+            sequence_parallel: bool, constraints: dict | None) -> Setting:
     """plan()'s arguments checked, with the device preset's values filled in."""
-    dev = device if isinstance(device, Device) else device_preset(device, measure=peak_tflops is None)
-    precision_of(precision)
-    if devices < 1 or device_memory_gib <= 0:
-        raise LabkitError(f"devices ({devices}) and device memory ({device_memory_gib} GiB) must be positive")
+    m = machine
+    dev = m.device if isinstance(m.device, Device) else device_preset(m.device, measure=m.peak_tflops is None)
+    precision_of(numerics.precision)
+    if m.devices < 1 or m.device_memory_gib <= 0:
+        raise LabkitError(f"devices ({m.devices}) and device memory ({m.device_memory_gib} GiB) must be positive")
     global_batch = global_batch or DEFAULT_GLOBAL_BATCH
     if global_batch < 1 or seq_len < 1:
         raise LabkitError(f"global_batch ({global_batch}) and seq_len ({seq_len}) must be positive")
-    nodes = nodes or max(1, math.ceil(devices / dev.devices_per_node))
-    if devices % nodes:
-        raise LabkitError(f"{devices} devices do not split evenly over {nodes} nodes", "choose nodes dividing devices")
-    peak = float(peak_tflops) if peak_tflops else dev.peak(precision)
-    if not 0 < efficiency <= 1:
-        raise LabkitError(f"efficiency {efficiency} must be in (0, 1]", "e.g. 0.5 for half of peak")
-    return Setting(device=dev, devices=devices, memory_gib=device_memory_gib, nodes=nodes, seq_len=seq_len,
-                   global_batch=global_batch, precision=precision, peak_tflops=peak, efficiency=efficiency,
-                   flash_attention=flash_attention, master_weights=master_weights, sequence_parallel=sequence_parallel,
-                   overhead_gib=dev.overhead_gib if overhead_gib is None else overhead_gib,
-                   fused_norm=dev.name.startswith("atlas"),  # mindformers' fused RMSNorm is Ascend-only
-                   fused_silu=dev.name != "cpu",  # MindSpore 2.9 has no CPU SiLU kernel: x * Sigmoid(x) instead
+    nodes = m.nodes or max(1, math.ceil(m.devices / dev.devices_per_node))
+    if m.devices % nodes:
+        raise LabkitError(f"{m.devices} devices do not split evenly over {nodes} nodes",
+                          "choose nodes dividing devices")
+    peak = float(m.peak_tflops) if m.peak_tflops else dev.peak(numerics.precision)
+    if not 0 < m.efficiency <= 1:
+        raise LabkitError(f"efficiency {m.efficiency} must be in (0, 1]", "e.g. 0.5 for half of peak")
+    numerics = dataclasses.replace(numerics, fused_norm=dev.name.startswith("atlas"),  # fused RMSNorm: Ascend only
+                                   fused_silu=dev.name != "cpu")  # MindSpore 2.9 has no CPU SiLU: x * Sigmoid(x)
+    return Setting(device=dev, devices=m.devices, memory_gib=m.device_memory_gib, nodes=nodes, seq_len=seq_len,
+                   global_batch=global_batch, numerics=numerics, peak_tflops=peak, efficiency=m.efficiency,
+                   sequence_parallel=sequence_parallel,
+                   overhead_gib=dev.overhead_gib if m.overhead_gib is None else m.overhead_gib,
                    constraints=_check_constraints(constraints))
 
 
 def candidates(cfg: ModelConfig, st: Setting):
-    """(strategy, None) for each candidate the constraints allow, or (strategy, why it cannot run)."""
+    """(layout, None) for each candidate the constraints allow, or (layout, why it cannot run)."""
     g = st.global_batch
     for dp, mp, pp in _splits(st.devices):
         why = _invalid_split(cfg, g, dp, mp, pp)
         for mb in _divisors(g // dp) if g % dp == 0 else [None]:
             accum = g // dp // mb if mb else None
             for rc, osh in itertools.product(RECOMPUTE, (False, True) if dp > 1 else (False,)):
-                cand = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": mb, "accum": accum, "recompute": rc,
-                        "optimizer_shard": osh}
-                if any(st.constraints.get(k) is not None and cand[k] != st.constraints[k] for k in CONSTRAINT_KEYS):
+                cand = Layout(dp=dp, mp=mp, pp=pp, micro_batch=mb, accum=accum, recompute=Recompute(rc),
+                              optimizer_shard=osh, sequence_parallel=st.sequence_parallel and mp > 1)
+                row = cand.row()
+                if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in Layout.KEYS):
                     continue
                 yield cand, why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
                                     if pp > 1 and accum < pp else None)
 
 
-def strategy_row(cfg: ModelConfig, st: Setting, cand: dict) -> dict:
-    """One strategy's row: memory per device by part, time per step by part, throughput, MFU, whether it fits."""
-    sp = st.sequence_parallel and cand["mp"] > 1
-    mem = memory_breakdown(cfg, seq_len=st.seq_len, precision=st.precision, master_weights=st.master_weights,
-                           flash_attention=st.flash_attention, sequence_parallel=sp, fused_norm=st.fused_norm,
-                           fused_silu=st.fused_silu,
-                           overhead_gib=st.overhead_gib, **cand)
-    t = step_time(cfg, st.device, seq_len=st.seq_len, global_batch=st.global_batch, precision=st.precision,
-                  peak_tflops=st.peak_tflops, efficiency=st.efficiency, nodes=st.nodes, sequence_parallel=sp, **cand)
-    fits = mem["total"] <= st.memory_gib
+def strategy_row(cfg: ModelConfig, st: Setting, layout: Layout) -> Strategy:
+    """One strategy: memory per device by part, time per step by part, throughput, MFU, whether it fits."""
+    mem = memory_breakdown(cfg, layout, seq_len=st.seq_len, numerics=st.numerics, overhead_gib=st.overhead_gib)
+    t = step_time(cfg, layout, st)
     parts = {k: v for k, v in mem.items() if k not in ("stage", "params")}
-    row = {**cand, "memory_gib": _rounded(parts), "stage": mem["stage"], "params_per_device": int(mem["params"]),
-           "step_time_s": round(t["step_time_s"], 4), "time_s": _rounded(t["time_s"], 4), "tokens_per_s":
-           round(t["tokens_per_s"], 1), "tokens_per_s_per_device": round(t["tokens_per_s_per_device"], 1),
-           "mfu": round(t["mfu"], 4), "fits": fits}
-    if not fits:
-        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {st.memory_gib:g} GiB: model states {states:.1f} + "
-                          f"activations {mem['activations']:.1f} + overhead {st.overhead_gib:.1f}")
-    return row
+    return Strategy(layout=layout, memory_gib=_rounded(parts), stage=mem["stage"], params_per_device=int(mem["params"]),
+                    step_time_s=round(t["step_time_s"], 4), time_s=_rounded(t["time_s"], 4),
+                    tokens_per_s=round(t["tokens_per_s"], 1),
+                    tokens_per_s_per_device=round(t["tokens_per_s_per_device"], 1), mfu=round(t["mfu"], 4),
+                    fits=mem["total"] <= st.memory_gib, why_not=why_not(mem, st.memory_gib))
 
 
-def layer_line(cfg: ModelConfig, result: dict, row: dict) -> dict[str, float]:
-    """Bytes one decoder layer adds to `row`'s memory per device, by part: the planner's figure for the model minus
-    its figure for the same model with one layer fewer (same strategy and assumptions, not rounded). With pp > 1
-    this is the layer's share on the most loaded stage."""
+def why_not(mem: dict, memory_gib: float) -> str | None:
+    """Why a strategy with memory breakdown `mem` (GiB by part) does not fit in `memory_gib`; None when it fits."""
+    if mem["total"] <= memory_gib:
+        return None
+    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+    return (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
+            f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
+
+
+def numerics_of(result: dict) -> Numerics:
+    """The Numerics a plan() result was computed with."""
     a = result["assumptions"]
-    kw = dict(seq_len=result["seq_len"], precision=result["precision"], master_weights=a["master_weights"],
-              flash_attention=result["flash_attention"], sequence_parallel=a["sequence_parallel"] and row["mp"] > 1,
-              fused_norm=a["fused_norm"], fused_silu=a["fused_silu"], **{k: row[k] for k in CONSTRAINT_KEYS})
-    whole = memory_breakdown(cfg, **kw)
-    fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), **kw)
+    return Numerics(precision=result["precision"], master_weights=a["master_weights"],
+                    flash_attention=result["flash_attention"], fused_norm=a["fused_norm"], fused_silu=a["fused_silu"])
+
+
+def layer_line(cfg: ModelConfig, result: dict, strategy: Strategy) -> dict[str, float]:
+    """Bytes one decoder layer adds to the strategy's memory per device, by part: the planner's figure for the model
+    minus its figure for the same model with one layer fewer (same strategy and assumptions, not rounded). With
+    pp > 1 this is the layer's share on the most loaded stage."""
+    kw = dict(seq_len=result["seq_len"], numerics=numerics_of(result))
+    whole = memory_breakdown(cfg, strategy.layout, **kw)
+    fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), strategy.layout, **kw)
     return {k: (whole[k] - fewer[k]) * GIB for k in ("weights", "gradients", "optimizer", "activations")}
 
 
 def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> dict:
-    best = next((r for r in strategies if r["fits"]), None)
-    bpp = bytes_per_param(st.precision, st.master_weights)
+    best = next((r for r in strategies if r.fits), None)
+    n = st.numerics
+    bpp = bytes_per_param(n.precision, n.master_weights)
     result = {
         "model": cfg.name, "params": num_params(cfg), "param_counts": param_counts(cfg),
         "devices": st.devices, "nodes": st.nodes, "device": st.device.name, "device_memory_gib": st.memory_gib,
         "seq_len": st.seq_len, "global_batch": st.global_batch, "tokens_per_step": st.global_batch * st.seq_len,
-        "precision": st.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
-        "flash_attention": st.flash_attention,
+        "precision": n.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
+        "flash_attention": n.flash_attention,
         "assumptions": {
             "bytes_per_param": bpp, "model_states_gib_unsharded": round(num_params(cfg) * bpp["total"] / GIB, 2),
-            "overhead_gib": st.overhead_gib, "fused_norm": st.fused_norm, "fused_silu": st.fused_silu,
+            "overhead_gib": st.overhead_gib, "fused_norm": n.fused_norm, "fused_silu": n.fused_silu,
             "sequence_parallel": st.sequence_parallel,
-            "master_weights": st.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
+            "master_weights": n.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
             "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
             "flops_per_token": flops_per_token(cfg, st.seq_len),
         },
@@ -237,7 +297,7 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
     if not result["strategies"]:
         reasons = "; ".join(f"{k} ({n})" for k, n in result["skipped"].items()) or "no candidate"
         return f"no valid strategy matches: {reasons}"
-    smallest = min(result["strategies"], key=lambda r: r["memory_gib"]["total"])
+    smallest = min(result["strategies"], key=lambda r: r.memory_gib["total"])
     states = result["assumptions"]["model_states_gib_unsharded"]
     usable = mem - result["assumptions"]["overhead_gib"]
     need = max(2, math.ceil(states / usable)) if usable > 0 else None
@@ -245,9 +305,9 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
             f"({result['assumptions']['bytes_per_param']['total']} bytes x {num_params(cfg):,} parameters), so "
             f"plan for at least {need} devices of {mem:g} GiB and shard them (mp, pp, optimizer_shard)"
             if need else "")
-    return (f"nothing fits in {mem:g} GiB: the smallest strategy (dp={smallest['dp']} mp={smallest['mp']} "
-            f"pp={smallest['pp']}, micro_batch {smallest['micro_batch']}, recompute {smallest['recompute']}) needs "
-            f"{smallest['memory_gib']['total']:.1f} GiB{hint}")
+    return (f"nothing fits in {mem:g} GiB: the smallest strategy (dp={smallest.dp} mp={smallest.mp} "
+            f"pp={smallest.pp}, micro_batch {smallest.micro_batch}, recompute {smallest.recompute}) needs "
+            f"{smallest.memory_gib['total']:.1f} GiB{hint}")
 
 
 def _splits(devices: int):
@@ -274,12 +334,16 @@ def _invalid_split(cfg: ModelConfig, global_batch: int, dp: int, mp: int, pp: in
 
 def _check_constraints(constraints: dict | None) -> dict:
     constraints = dict(constraints or {})
-    unknown = set(constraints) - set(CONSTRAINT_KEYS)
+    unknown = set(constraints) - set(Layout.KEYS)
     if unknown:
-        raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(CONSTRAINT_KEYS)}")
+        raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(Layout.KEYS)}")
     rc = constraints.get("recompute")
-    if rc is not None and rc not in RECOMPUTE:
-        raise LabkitError(f"constraint recompute='{rc}' is not known", f"use one of {', '.join(RECOMPUTE)}")
+    if rc is not None:
+        rc = Layout(recompute=Recompute.parse(rc, "constraint recompute")).row()["recompute"]
+        if rc not in RECOMPUTE:
+            raise LabkitError(f"constraint recompute='{rc}' names some layers only",
+                              f"use one of {', '.join(RECOMPUTE)}")
+        constraints["recompute"] = rc
     return constraints
 
 
@@ -296,19 +360,19 @@ def format_table(result: dict, top: int = 15) -> str:
             f"{'GiB':>7} {'states':>7} {'acts':>6} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5}  fits")
     lines = [head, "-" * len(head)]
     for r in result["strategies"][:top]:
-        m = r["memory_gib"]
+        m = r.memory_gib
         states = m["weights"] + m["gradients"] + m["optimizer"]
-        lines.append(f"{r['dp']:>3} {r['mp']:>3} {r['pp']:>3} {r['micro_batch']:>3} {r['accum']:>4} "
-                     f"{r['recompute']:>9} {'on' if r['optimizer_shard'] else '-':>4} {m['total']:>7.1f} "
-                     f"{states:>7.1f} {m['activations']:>6.1f} {r['step_time_s']:>8.2f} "
-                     f"{r['tokens_per_s_per_device']:>9.0f} {r['mfu']:>5.0%}  {'yes' if r['fits'] else 'no'}")
+        lines.append(f"{r.dp:>3} {r.mp:>3} {r.pp:>3} {r.micro_batch:>3} {r.accum:>4} "
+                     f"{r.recompute:>9} {'on' if r.optimizer_shard else '-':>4} {m['total']:>7.1f} "
+                     f"{states:>7.1f} {m['activations']:>6.1f} {r.step_time_s:>8.2f} "
+                     f"{r.tokens_per_s_per_device:>9.0f} {r.mfu:>5.0%}  {'yes' if r.fits else 'no'}")
     more = len(result["strategies"]) - top
     if more > 0:
         lines.append(f"... {more} more (--top N or --json for all)")
     return "\n".join(lines)
 
 
-def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: int = 12):
+def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit: int = 12):
     """Stacked bars of the per-device memory parts for some strategies, with the device memory as a line."""
     import matplotlib.pyplot as plt
 
@@ -319,14 +383,14 @@ def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: in
     bottom = [0.0] * len(rows)
     x = range(len(rows))
     for part in parts:
-        vals = [r["memory_gib"][part] for r in rows]
+        vals = [r.memory_gib[part] for r in rows]
         ax.bar(x, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(result["device_memory_gib"], color="k", ls="--", lw=1, label="device memory")
     ax.set_ylim(0, max(max(bottom, default=0), result["device_memory_gib"]) * 1.3)  # room for the legend
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r['dp']}/{r['mp']}/{r['pp']}\n{r['recompute'][:4]}{' Z' if r['optimizer_shard'] else ''}"
-                        f"\nmb{r['micro_batch']}" for r in rows], fontsize=7)
+    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}\n{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
+                        f"\nmb{r.micro_batch}" for r in rows], fontsize=7)
     ax.set_ylabel("GiB per device")
     ax.set_xlabel("dp/mp/pp, recompute, Z = optimizer shard, micro-batch")
     ax.legend(fontsize=7, ncol=3)
@@ -339,16 +403,14 @@ def plot_memory(result: dict, rows: list[dict] | None = None, ax=None, limit: in
 def model_from_config_file(path) -> tuple[ModelConfig, dict]:
     """The model of a labkit run config (its `model:` section: `preset: NAME` plus overrides, or ModelConfig
     fields) and the few other values the planner can use (data.seq_len)."""
-    from labkit.config import load, model_preset, read_yaml
+    from labkit.config import model_from_section, read_yaml
 
     data = read_yaml(path)
     section = data.get("model")
     if not isinstance(section, dict):
         raise LabkitError(f"{path} has no 'model:' section", "add model: {preset: tiny} or the ModelConfig fields")
-    spec = dict(section)
-    preset = spec.pop("preset", None)
     try:
-        cfg = model_preset(preset, **spec) if preset else load(ModelConfig, spec, "model")
+        cfg = model_from_section(section)
     except LabkitError as e:
         raise LabkitError(f"{path}: {e.what}", e.fix) from None
     extra = {}
@@ -393,14 +455,15 @@ def _cli(args) -> int:
         cfg, extra = model_from_config_file(args.config)
     seq = args.seq_len or extra.get("seq_len") or 4096
     precision = args.precision or ("fp32" if args.device == "cpu" else "fp16")
-    result = plan(cfg, args.devices, args.device_memory, device=args.device, seq_len=seq,
-                  global_batch=args.global_batch, precision=precision, nodes=args.nodes,
-                  peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                  flash_attention=not args.no_flash_attention and args.device != "cpu")
+    machine = Machine(args.devices, args.device_memory, device=args.device, nodes=args.nodes,
+                      peak_tflops=args.peak_tflops, efficiency=args.efficiency)
+    result = plan(cfg, machine, seq_len=seq, global_batch=args.global_batch,
+                  numerics=Numerics(precision=precision,
+                                    flash_attention=not args.no_flash_attention and args.device != "cpu"))
     best = result["best"]
     if best:
-        result["mindformers_yaml"] = mindformers_parallel_yaml(best)
-        result["msrun"] = msrun_command(best, result["nodes"])
+        result["mindformers_yaml"] = mindformers_parallel_yaml(best.layout)
+        result["msrun"] = msrun_command(best.layout, result["nodes"])
     text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
             f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {precision}, efficiency "
             f"{args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
@@ -410,5 +473,7 @@ def _cli(args) -> int:
         text += ["best:", result["mindformers_yaml"], result["msrun"]]
     else:
         text.append(f"no strategy fits: {result['why']}")
-    emit(args, {"ok": True, **result}, "\n".join(text))
+    as_json = {**result, "strategies": [r.to_dict() for r in result["strategies"]],
+               "best": best.to_dict() if best else None}
+    emit(args, {"ok": True, **as_json}, "\n".join(text))
     return 0

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.config import Recompute
 from labkit.training.monitor import CGROUP_V1, CGROUP_V2, classify_death, group_of, group_stats
 
 # ------------------------------------------------------------------------------------------- who killed a process
@@ -119,15 +120,16 @@ def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None 
                     recompute: str | None = None) -> dict:
     """The planner's memory need of one worker of run config `cfg` (its micro-batch, seq_len and recompute unless
     given), MB by part: `labkit.parallel.memory` as notebook 08 quotes it on CPU (fp32, no flash attention, unfused
-    norm; recompute "all" counts as full recomputation, anything else as none). Not counted: MindSpore's own memory
-    (libraries, graph compilation, allocator pools)."""
-    from labkit.parallel.memory import memory_breakdown
+    norm; `last:K` and the like weigh the planner's none and full by the share of layers recomputed). Not counted:
+    MindSpore's own memory    (libraries, graph compilation, allocator pools)."""
+    import dataclasses
 
-    t, par = cfg.train, cfg.parallel
-    parts = memory_breakdown(cfg.model_config(), seq_len=seq_len or cfg.data.seq_len,
-                             micro_batch=micro_batch or t.micro_batch, accum=t.accum, dp=par.dp or 1, mp=par.mp,
-                             pp=par.pp, optimizer_shard=par.optimizer_shard, precision="fp32", flash_attention=False,
-                             recompute="full" if (recompute or t.recompute) == "all" else "none", fused_norm=False)
+    from labkit.parallel.memory import Numerics, memory_breakdown
+
+    layout = dataclasses.replace(cfg.layout(), micro_batch=micro_batch or cfg.train.micro_batch,
+                                 recompute=Recompute.parse(recompute) if recompute else cfg.train.recompute)
+    parts = memory_breakdown(cfg.model_config(), layout, seq_len=seq_len or cfg.data.seq_len,
+                             numerics=Numerics(precision="fp32", flash_attention=False, fused_norm=False))
     return {k: round(v * 1024, 1) for k, v in parts.items() if k not in ("stage", "params")}
 
 
@@ -139,7 +141,7 @@ def memory_knobs(cfg, limit_mb: float | None) -> str:
     state = need["weights"] + need["gradients"] + need["optimizer"]
     limit = f" against the {limit_mb:.0f} MB limit" if limit_mb else ""
     knobs = [_micro_batch_knob(cfg, need["total"], limit_mb)]
-    if t.recompute != "all":
+    if t.recompute != Recompute("full"):
         knobs.append(f"--set train.recompute=all ({planner_need_mb(cfg, recompute='all')['total']:.0f} MB)")
     if seq > 1:
         knobs.append(f"--set data.seq_len={seq // 2} ({planner_need_mb(cfg, seq_len=seq // 2)['total']:.0f} MB)")

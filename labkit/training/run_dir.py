@@ -34,7 +34,8 @@ from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.training import checkpoint
 from labkit.weights.convert import TOKENIZER_FILES, run_tokenizer
-from labkit.weights.pairs import STRUCTURE, check_converted, check_tokenizer_fits, check_weights, tokenizer_span
+from labkit.weights.pairs import (STRUCTURE, ParamDtype, check_converted, check_tokenizer_fits, check_weights,
+                                  tokenizer_span)
 from labkit.weights.formats import ckpt_index, weights_file
 
 
@@ -142,10 +143,11 @@ def check_init_checkpoint(path, cfg: RunConfig | None = None) -> Path | None:
     dtype = AMP_LEVELS[level]["param_dtype"]
     check_weights(f"train.init_checkpoint {ckpt}", ckpt_index(ckpt, any_dtype=True), cfg.model_config(),
                   f"set the model keys to the checkpoint's{f' ({where})' if where else ''}, or start from weights of "
-                  "this model (another vocabulary: `labkit tokenizer resize-embeddings`)", source=source, dtype=dtype,
-                  dtype_note=f" (train.amp_level {level})",
-                  dtype_fix=f"convert the weights to {dtype} (`labkit convert hf2ms --dtype {dtype}`), or use the "
-                            "train.amp_level whose parameters have their dtype (O3: float16, the others float32)")
+                  "this model (another vocabulary: `labkit tokenizer resize-embeddings`)", source=source,
+                  dtype=ParamDtype(dtype, f" (train.amp_level {level})",
+                                   f"convert the weights to {dtype} (`labkit convert hf2ms --dtype {dtype}`), or use "
+                                   "the train.amp_level whose parameters have their dtype (O3: float16, the others "
+                                   "float32)"))
     return init
 
 
@@ -182,12 +184,20 @@ def holds_run(output) -> bool:
     return bool(checkpoint.list_checkpoints(out)) or (out / "metrics.jsonl").exists()
 
 
+@dataclass(frozen=True)
+class ResumeFit:
+    """What a resumed checkpoint must fit: the run config (`check_resume`) and, when given, the dataset and the
+    global batch (`check_resume_data`)."""
+
+    cfg: RunConfig
+    dataset: DatasetCheck | None = None
+    global_batch: int | None = None
+
+
 def check_run_folder(output, *, resume: bool, overwrite: bool, steps: int, spelling: Spelling = CLI,
-                     shared: bool = False, cfg: RunConfig | None = None, dataset: DatasetCheck | None = None,
-                     global_batch: int | None = None) -> RunFolder:
+                     shared: bool = False, fit: ResumeFit | None = None) -> RunFolder:
     """Resume needs a complete checkpoint below `steps`; without resume, a folder holding a run needs overwrite.
-    `shared` adds that several nodes must see the same folder. With `cfg`, a resumed checkpoint must fit it
-    (`check_resume`), and with the dataset or the global batch also `check_resume_data`."""
+    `shared` adds that several nodes must see the same folder. With `fit`, a resumed checkpoint must fit it."""
     out = Path(output).expanduser().resolve()
     if not resume:
         if holds_run(out) and not overwrite:
@@ -206,10 +216,10 @@ def check_run_folder(output, *, resume: bool, overwrite: bool, steps: int, spell
         raise LabkitError(f"{spelling.resume}: the newest checkpoint is step {start}, already at train.steps {steps}",
                           f"raise {spelling.steps} (N > {start}) to train further")
     folder = RunFolder(output=out, resume=True, start_step=start, checkpoint=ck)
-    if cfg is not None:
-        check_resume(folder, cfg, spelling)
-        if dataset is not None or global_batch is not None:
-            check_resume_data(folder, cfg, dataset=dataset, global_batch=global_batch, spelling=spelling)
+    if fit is not None:
+        check_resume(folder, fit.cfg, spelling)
+        if fit.dataset is not None or fit.global_batch is not None:
+            check_resume_data(folder, fit.cfg, dataset=fit.dataset, global_batch=fit.global_batch, spelling=spelling)
     return folder
 
 
@@ -263,9 +273,9 @@ def check_resume(folder: RunFolder, cfg: RunConfig, spelling: Spelling = CLI) ->
     level, was = cfg.train.amp_level, old.train.amp_level if old else "O0"
     dtype = AMP_LEVELS[level]["param_dtype"]
     check_weights(f"checkpoint {ck}", index, cfg.model_config(), f"resume with the run's own model settings ({own}), "
-                  + new_run, source=old.model_config() if old else None, keys=RESUME_MODEL, dtype=dtype,
-                  dtype_note=f" (train.amp_level {level})",
-                  dtype_fix=f"resume with the run's train.amp_level {was} ({own}), {new_run}")
+                  + new_run, source=old.model_config() if old else None, keys=RESUME_MODEL,
+                  dtype=ParamDtype(dtype, f" (train.amp_level {level})",
+                                   f"resume with the run's train.amp_level {was} ({own}), {new_run}"))
     if level != "O0" and "loss_scale.value" not in index:
         raise LabkitError(f"checkpoint {ck} holds no loss-scale state (written with train.amp_level {was}), "
                           f"train.amp_level {level} needs it", f"resume with train.amp_level {was} ({own}), {new_run}")

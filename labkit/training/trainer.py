@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 
 from labkit.training import checkpoint, run_dir
-from labkit.config import RunConfig, dump_run_config, load_run_config, to_dict
+from labkit.config import RunConfig, dump_run_config, flag_values, load_run_config, to_dict
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.training.metrics import read_metrics
-from labkit.model.llama import build_model
+from labkit.model.llama import Backend, build_model
 from labkit.logs import quiet_mindformers
 from labkit.io import OutputLock, atomic_write_text
 from labkit.paths import lab_path
 from labkit.model.shapes import flops_per_token
-from labkit.config import AMP_LEVELS, parse_recompute
+from labkit.config import AMP_LEVELS
 from labkit.training.schedule import WarmupCosine, lr_at
 from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 from labkit.training.step import grad_ops, update_tail
@@ -51,7 +51,7 @@ class Trainer:
         run_dir.check_init_checkpoint(t.init_checkpoint, cfg)  # names, shapes, dtypes against the model config
         # resume: the checkpoint against the config (model, dtype, loss-scale state, data order); see run_dir
         folder = run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps,
-                                          cfg=cfg) if resume else None
+                                          fit=run_dir.ResumeFit(cfg)) if resume else None
         quiet_mindformers()
         import mindspore as ms
         from mindspore import nn
@@ -66,10 +66,10 @@ class Trainer:
             run_dir.check_resume_data(folder, cfg, dataset=checked, global_batch=self.global_batch)
         self.dataset = checked.path
         self.amp = AMP_LEVELS[t.amp_level]
-        self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
-                                 device_target=cfg.parallel.device_target, **self.amp,
-                                 recompute_layers=parse_recompute(t.recompute, mcfg.num_layers), seed=t.seed,
-                                 parallel_config=self._mf_parallel_config(), kernels=t.kernels)
+        backend = Backend(device_target=cfg.parallel.device_target, **self.amp, kernels=t.kernels)
+        self.model = build_model(mcfg, seq_length=cfg.data.seq_len, batch_size=t.micro_batch, backend=backend,
+                                 recompute_layers=t.recompute.layers(mcfg.num_layers), seed=t.seed,
+                                 parallel_config=self._mf_parallel_config())
         if t.init_checkpoint:
             self._load_init(t.init_checkpoint)
         net = self.model
@@ -100,9 +100,7 @@ class Trainer:
         if resume:
             self._resume()
         self.loader = loader.make_loader(self.dataset, t.micro_batch, seed=t.seed, dp_size=self.dp,
-                                       dp_rank=self._dp_rank(), accum=t.accum, start_step=self.step,
-                                       shuffle=cfg.data.shuffle, num_parallel_workers=cfg.data.num_parallel_workers,
-                                       prefetch=cfg.data.prefetch)
+                                       dp_rank=self._dp_rank(), accum=t.accum, start_step=self.step, data=cfg.data)
         self.flops_per_token = flops_per_token(mcfg, cfg.data.seq_len)["model"]  # the planner's MFU count
         self.peak_flops = t.peak_tflops * 1e12 if t.peak_tflops else None
 
@@ -418,13 +416,7 @@ def add_train_flags(parser) -> None:
 
 
 def config_from_args(args) -> RunConfig:
-    sets = list(args.set)
-    for flag, key in (("steps", "train.steps"), ("micro_batch", "train.micro_batch"), ("accum", "train.accum"),
-                      ("seed", "train.seed"), ("output", "output_dir")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            sets.append(f"{key}={value}")
-    return load_run_config(args.config or "configs/tiny_cpu.yaml", sets)
+    return load_run_config(args.config or "configs/tiny_cpu.yaml", args.set, flag_values(args))
 
 
 def device_target_of(args) -> str:

@@ -3,6 +3,7 @@ rank, the batch arithmetic (micro_batch x dp x accum = global_batch), and the fe
 trainer needs outside the step graph (loss averaged over ranks, a barrier)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +46,8 @@ def init_context(cfg: RunConfig) -> World:
 
     init()
     world = World(get_rank(), get_group_size(), mode)
-    parallel.set_parallel_context(mode, device_num=world.size, search_mode=p.search_mode,
-                                  strategy_ckpt_path=str(Path(cfg.output_dir) / "strategy.ckpt"),
-                                  enable_parallel_optimizer=p.optimizer_shard, gradients_mean=True,
-                                  pipeline_stages=p.pp)
+    parallel.set_parallel_context(dataclasses.replace(p, parallel_mode=mode), device_num=world.size,
+                                  strategy_ckpt_path=str(Path(cfg.output_dir) / "strategy.ckpt"), gradients_mean=True)
     return world
 
 

@@ -6,6 +6,7 @@ directly (the weights layer cannot import the training layer)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.config import ModelConfig
@@ -71,19 +72,28 @@ def model_mismatch(index: dict, cfg: ModelConfig, *, source: ModelConfig | None 
     return None
 
 
+@dataclass(frozen=True)
+class ParamDtype:
+    """The dtype the model's parameters take (MindSpore's load_param_into_net does not convert), what decides it
+    (`note`, e.g. " (train.amp_level O0)") and what to do about weights stored otherwise (None: the shape fix)."""
+
+    dtype: str
+    note: str = ""
+    fix: str | None = None
+
+
 def check_weights(label: str, index: dict, cfg: ModelConfig, fix: str, *, source: ModelConfig | None = None,
-                  keys=STRUCTURE, against: str = "the config", dtype: str | None = None, dtype_note: str = "",
-                  dtype_fix: str | None = None) -> None:
+                  keys=STRUCTURE, against: str = "the config", dtype: ParamDtype | None = None) -> None:
     """Refuse weights that do not fit the model `cfg` describes (see `model_mismatch`), or, with `dtype`, that are
-    stored in another dtype than the model's parameters (MindSpore's load_param_into_net does not convert)."""
+    stored in another dtype than the model's parameters."""
     problem = model_mismatch(index, cfg, source=source, keys=keys, against=against)
     if problem:
         raise LabkitError(f"{label} {problem}", fix)
-    other = [e for e in model_entries(index).values() if dtype and e.dtype != dtype]
+    other = [e for e in model_entries(index).values() if dtype and e.dtype != dtype.dtype]
     if other:
         raise LabkitError(f"{label} stores {other[0].name} as {other[0].dtype}"
                           + (f" ({len(other)} tensors)" if len(other) > 1 else "")
-                          + f", the model's parameters are {dtype}{dtype_note}", dtype_fix or fix)
+                          + f", the model's parameters are {dtype.dtype}{dtype.note}", dtype.fix or fix)
 
 
 def tokenizer_span(directory) -> tuple[int, str] | None:

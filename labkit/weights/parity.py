@@ -120,8 +120,7 @@ def ms_side(ms_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
     n, window = len(tokens), len(tokens) + gen_tokens
     with PeakRSS() as mem:
         index = ckpt_index(ckpt)
-        model = build_model(dataclasses.replace(cfg, pad_token_id=-1), seq_length=window, compute_dtype="float32",
-                            param_dtype="float32", no_init=True)
+        model = build_model(dataclasses.replace(cfg, pad_token_id=-1), seq_length=window, no_init=True)  # float32
         params = dict(model.parameters_and_names())
         if set(params) != set(index):
             raise LabkitFailure(f"{ckpt} and the mindformers model disagree on: "

@@ -10,8 +10,9 @@
 
 The notebook imports this package; the names below are its whole interface."""
 from labkit.course.pretrain.params import Param, PARAMETERS, PARAMS, DEFAULTS, PRESETS, DEVICE_FOR_TARGET, AMP_PRECISION, SEED_AS_WRITTEN  # noqa: F401
-from labkit.course.pretrain.layouts import recompute_fraction, estimate  # noqa: F401
+from labkit.course.pretrain.layouts import estimate  # noqa: F401
 from labkit.course.pretrain.runspec import PretrainRun, host_ram_gib, getattr_dotted, resolve  # noqa: F401
-from labkit.course.pretrain.outputs import layout_table, stage_recompute_counts, mindformers_yaml, commands, write_configs, config_texts, NODE0_ONLY, node0_only  # noqa: F401
+from labkit.course.pretrain.outputs import (layout_table, mindformers_yaml, commands, write_configs,  # noqa: F401
+                                            config_texts, NODE0_ONLY, node0_only)
 from labkit.course.pretrain.follow import PANELS, figure_png, status_line, Follower, launch  # noqa: F401
 from labkit.course.pretrain.results import expected_shapes, prove_shapes, checkpoint_shapes, summarize, recipe_row, compare_recipes  # noqa: F401

@@ -121,10 +121,11 @@ def launch(run: PretrainRun, *, live: bool | None = None, timeout: float | None 
     if follower:
         follower.start()
     try:
-        res = launcher.launch(run.cfg, run.workers, output=str(run.output_dir), nodes=run.nodes,
-                              node_rank=run.node_rank, master_addr=run.master_addr, master_port=run.master_port,
-                              resume=run.resume, overwrite=run.overwrite and not run.resume, progress=not live,
-                              timeout=timeout, show_report=False, log=lambda m: print(m, file=sys.stderr))
+        spec = launcher.LaunchSpec(run.cfg, run.workers, output=str(run.output_dir), nodes=run.nodes,
+                                   node_rank=run.node_rank, master_addr=run.master_addr, master_port=run.master_port,
+                                   resume=run.resume, overwrite=run.overwrite and not run.resume)
+        res = launcher.launch(spec, progress=not live, timeout=timeout, show_report=False,
+                              log=lambda m: print(m, file=sys.stderr))
     finally:
         if follower:
             follower.stop()

@@ -10,46 +10,38 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def recompute_fraction(spec: str, num_layers: int) -> float:
-    from labkit.config import parse_recompute
-
-    return len(parse_recompute(spec, num_layers)) / num_layers
-
-
-def estimate(model, device, memory_gib: float, *, devices: int, nodes: int, seq_len: int, dp: int, mp: int,
-             pp: int, micro_batch: int, accum: int, recompute: str, optimizer_shard: bool, amp_level: str,
-             flash_attention: bool) -> dict:
-    """The planner's row for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
-    planner's `none` and `full` rows weighted by the fraction of layers recomputed (activations are per layer)."""
+def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_attention: bool):
+    """The planner's Strategy for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
+    planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed.
+    `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.config.Layout."""
     from labkit.parallel import planner
+    from labkit.parallel.memory import Numerics
 
     precision, master = AMP_PRECISION[amp_level]
-    frac = recompute_fraction(recompute, model.num_layers)
+    lay, memory_gib, devices = layout, machine.device_memory_gib, machine.devices
+    dp, mp, pp = lay.dp, lay.mp, lay.pp
+    modes = lay.recompute.planner_modes(model.num_layers)
+    frac = list(modes.values())[-1]  # the weight of the last mode (full); the first one's is 1 - frac
     rows = {}
-    for rc in {"none" if frac < 1 else "full", "full" if frac > 0 else "none"}:
-        res = planner.plan(model, devices, memory_gib, device=device, seq_len=seq_len,
-                           global_batch=micro_batch * dp * accum, precision=precision, master_weights=master,
-                           nodes=nodes, flash_attention=flash_attention,
-                           constraints=dict(dp=dp, mp=mp, pp=pp, micro_batch=micro_batch, accum=accum, recompute=rc,
-                                            optimizer_shard=optimizer_shard))
+    for rc in modes:
+        res = planner.plan(model, machine, seq_len=seq_len, global_batch=lay.global_batch,
+                           numerics=Numerics(precision=precision, master_weights=master,
+                                             flash_attention=flash_attention),
+                           constraints={**lay.row(), "recompute": rc})
         if not res["strategies"]:
             raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
                               + ("; ".join(res["skipped"]) or "no valid strategy"))
         rows[rc] = res["strategies"][0]
-    lo, hi = rows.get("none", rows.get("full")), rows.get("full", rows.get("none"))
+    lo, hi = rows[next(iter(modes))], rows[list(modes)[-1]]
     mix = lambda a, b: a + (b - a) * frac  # noqa: E731
-    mem = {k: round(mix(lo["memory_gib"][k], hi["memory_gib"][k]), 3) for k in lo["memory_gib"]}
-    step = mix(lo["step_time_s"], hi["step_time_s"])
-    tokens = micro_batch * dp * accum * seq_len
-    row = {"dp": dp, "mp": mp, "pp": pp, "micro_batch": micro_batch, "accum": accum, "recompute": recompute,
-           "optimizer_shard": optimizer_shard, "memory_gib": mem, "step_time_s": step, "tokens_per_s": tokens / step,
-           "tokens_per_s_per_device": tokens / step / devices, "mfu": lo["mfu"] * lo["step_time_s"] / step,
-           "fits": mem["total"] <= memory_gib}
-    if not row["fits"]:
-        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-        row["why_not"] = (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
-                          f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
-    return row
+    mem = {k: round(mix(lo.memory_gib[k], hi.memory_gib[k]), 3) for k in lo.memory_gib}
+    step = mix(lo.step_time_s, hi.step_time_s)
+    tokens = lay.global_batch * seq_len
+    return planner.Strategy(layout=lay, memory_gib=mem, stage=lo.stage, params_per_device=lo.params_per_device,
+                            step_time_s=step, time_s={k: mix(lo.time_s[k], hi.time_s[k]) for k in lo.time_s},
+                            tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,
+                            mfu=lo.mfu * lo.step_time_s / step, fits=mem["total"] <= memory_gib,
+                            why_not=planner.why_not(mem, memory_gib))
 
 
 def split_batch(g_fixed, mb_param, accum_param, mb_config: int, dp: int):

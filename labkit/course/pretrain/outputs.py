@@ -7,7 +7,6 @@ import shlex
 from pathlib import Path
 from labkit.io import atomic_write_text
 from labkit.course.pretrain.params import DEFAULTS
-from labkit.course.pretrain.layouts import recompute_fraction
 from labkit.course.pretrain.runspec import PretrainRun
 
 
@@ -16,23 +15,12 @@ def layout_table(run: PretrainRun, top: int = 8):
     import pandas as pd
 
     rows = [run.strategy] + run.alternatives[:top - 1]
-    return pd.DataFrame([{"chosen": r is run.strategy, "dp": r["dp"], "mp": r["mp"], "pp": r["pp"],
-                          "micro_batch": r["micro_batch"], "accum": r["accum"], "recompute": r["recompute"],
-                          "optimizer_shard": r["optimizer_shard"], "GiB/device": r["memory_gib"]["total"],
-                          "fits": r["fits"], "s/step": round(r["step_time_s"], 3),
-                          "tokens/s/device": round(r["tokens_per_s_per_device"]), "MFU": round(r["mfu"], 3)}
+    return pd.DataFrame([{"chosen": r is run.strategy, "dp": r.dp, "mp": r.mp, "pp": r.pp,
+                          "micro_batch": r.micro_batch, "accum": r.accum, "recompute": str(r.layout.recompute),
+                          "optimizer_shard": r.optimizer_shard, "GiB/device": r.memory_gib["total"],
+                          "fits": r.fits, "s/step": round(r.step_time_s, 3),
+                          "tokens/s/device": round(r.tokens_per_s_per_device), "MFU": round(r.mfu, 3)}
                          for r in rows])
-
-
-def stage_recompute_counts(spec: str, num_layers: int, pp: int) -> list[int]:
-    """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
-    each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
-    other n layers of the stage, so `last:16` becomes [16] with one stage."""
-    from labkit.config import parse_recompute
-
-    per = num_layers // pp
-    idx = parse_recompute(spec, num_layers)
-    return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
 
 
 def mindformers_yaml(run: PretrainRun) -> str:
@@ -41,16 +29,13 @@ def mindformers_yaml(run: PretrainRun) -> str:
     import yaml
 
     from labkit.parallel import mindformers_yaml as mf_yaml
-    from labkit.model.llama import llama_config_kwargs
+    from labkit.model.llama import Backend, llama_config_kwargs
     from labkit.config import AMP_LEVELS
 
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
-    frac = recompute_fraction(t.recompute, run.model.num_layers)
     mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
-    par = mf_yaml.mindformers_parallel_config({**s, "recompute": "full" if frac == 1 else "none"},
-                                              parallel_mode=mode, search_mode=p.search_mode)
-    if 0 < frac < 1:
-        par["recompute_config"]["recompute"] = stage_recompute_counts(t.recompute, run.model.num_layers, p.pp)
+    par = mf_yaml.mindformers_parallel_config(s.layout, parallel_mode=mode, search_mode=p.search_mode,
+                                              num_layers=run.model.num_layers)
     par["use_parallel"] = run.devices > 1
     dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": c.data.dataset or "", "shuffle": c.data.shuffle},
                "input_columns": ["input_ids"], "num_parallel_workers": c.data.num_parallel_workers,
@@ -76,8 +61,9 @@ def mindformers_yaml(run: PretrainRun) -> str:
         **par,
         "context": context,
         "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
-            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch, device_target=p.device_target,
-            **AMP_LEVELS[t.amp_level])}, "arch": {"type": "LlamaForCausalLM"}},
+            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch,
+            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))},
+                  "arch": {"type": "LlamaForCausalLM"}},
         "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
                       "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
                                     "vocab_file": str(Path(c.data.tokenizer) / "tokenizer.model")}},
@@ -91,7 +77,7 @@ def mindformers_yaml(run: PretrainRun) -> str:
             f"# Start: see launch.sh. Differences from labkit's own loop: mindformers trains `epochs` passes over\n"
             f"# the dataset (no step limit: choose epochs x samples / global batch {t.global_batch} ~ steps "
             f"{t.steps});\n# recompute [n] recomputes the first n layers of each pipeline stage (labkit: "
-            f"{t.recompute!r}, the same memory).\n")
+            f"{str(t.recompute)!r}, the same memory).\n")
     return head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 
@@ -167,7 +153,8 @@ def config_texts(run: PretrainRun) -> dict[str, str]:
         "mindformers.yaml": mindformers_yaml(run),
         "plan.json": json.dumps({"preset": run.preset, "devices": run.devices, "nodes": run.nodes,
                                  "device": run.device.name, "device_memory_gib": run.device_memory_gib,
-                                 "strategy": run.strategy, "alternatives": run.alternatives[:10],
+                                 "strategy": run.strategy.to_dict(),
+                                 "alternatives": [r.to_dict() for r in run.alternatives[:10]],
                                  "can_train_here": run.can_train, "why_not": run.why_not}, indent=1, default=str),
         "launch.sh": "\n".join(
             ["#!/bin/sh", f"# Commands for this run ({run.devices} devices on {run.nodes} node(s)).", "",

@@ -2,7 +2,6 @@
 the two Llama-2-7B recipes compared by the planner."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from labkit.config import load_run_config
@@ -86,25 +85,25 @@ def summarize(run: PretrainRun, result=None) -> dict:
     cmds = commands(run)
     s = run.strategy
     out = {"trained": result is not None, "preset": run.preset, "devices": run.devices,
-           "predicted_tokens_per_s_per_device": round(s["tokens_per_s_per_device"], 1),
-           "predicted_mfu": round(s["mfu"], 3), "memory_gib_per_device": s["memory_gib"]["total"],
+           "predicted_tokens_per_s_per_device": round(s.tokens_per_s_per_device, 1),
+           "predicted_mfu": round(s.mfu, 3), "memory_gib_per_device": s.memory_gib["total"],
            "files": sorted(p.name for p in run.output_dir.glob("*") if p.is_file()), "commands": cmds}
     if result is not None and run.node_rank > 0:
         return _node_summary(run, result, out)
     if result is None:
         tokens = run.global_batch * run.cfg.data.seq_len * run.cfg.train.steps
         out.update(trained_here=False, why_not=run.why_not,
-                   predicted_days=round(run.cfg.train.steps * s["step_time_s"] / 86400, 1), tokens=tokens)
+                   predicted_days=round(run.cfg.train.steps * s.step_time_s / 86400, 1), tokens=tokens)
         print(f"NOT TRAINED on this machine: {run.why_not}.\nWhat was done: the plan was validated "
-              f"({s['memory_gib']['total']:.1f} of {run.device_memory_gib:g} GiB per device), the configs were "
+              f"({s.memory_gib['total']:.1f} of {run.device_memory_gib:g} GiB per device), the configs were "
               f"written to {run.output_dir}" + (" (by node 0)" if run.node_rank else "") + ", the model was built "
               "without weights to check its shapes.\n"
-              f"Predicted on {run.devices} x {run.device.name}: {s['step_time_s']:.2f} s/step, "
-              f"{s['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {s['mfu']:.0%}; {run.cfg.train.steps:,} "
+              f"Predicted on {run.devices} x {run.device.name}: {s.step_time_s:.2f} s/step, "
+              f"{s.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {s.mfu:.0%}; {run.cfg.train.steps:,} "
               f"steps ({tokens / 1e9:,.1f}B tokens) in about {out['predicted_days']} days.\n"
               f"To train, on each node ({run.nodes}):\n  " + "\n  ".join(cmds["labkit_launch"]))
         nb.record("07 trained", False)
-        nb.record("07 predicted MFU", f"{s['mfu']:.0%}")
+        nb.record("07 predicted MFU", f"{s.mfu:.0%}")
         return out
     rows = read_metrics(run.output_dir)
     ck = checkpoint.list_checkpoints(run.output_dir)
@@ -144,29 +143,32 @@ def _node_summary(run: PretrainRun, result, out: dict) -> dict:
 def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices: int = 8,
                device: str = "atlas_800t_a2", memory_gib: float | None = None, tokens: float = 100e9) -> dict:
     """One shipped recipe judged by the planner on `devices` x `device`, as the config says (no search)."""
+    from labkit.config import Layout
     from labkit.parallel.devices import device_preset
+    from labkit.parallel.planner import Machine
     from labkit.model.llama import backend_flags
 
-    cfg = load_run_config(config, [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()])
+    cfg = load_run_config(config, values=overrides)
     model, t, p = cfg.model_config(), cfg.train, cfg.parallel
     dev = device_preset(device)
     memory = memory_gib or dev.memory_gib
     dp = p.dp or devices // (p.mp * p.pp)
-    row = estimate(model, dev, memory, devices=devices, nodes=max(1, devices // dev.devices_per_node),
-                   seq_len=cfg.data.seq_len, dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
-                   recompute=t.recompute, optimizer_shard=p.optimizer_shard, amp_level=t.amp_level,
-                   flash_attention=backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention)
-    m = row["memory_gib"]
+    machine = Machine(devices, memory, device=dev, nodes=max(1, devices // dev.devices_per_node))
+    layout = Layout(dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
+                    optimizer_shard=p.optimizer_shard)
+    flash = backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention
+    row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=flash)
+    m = row.memory_gib
     tokens_per_step = t.micro_batch * dp * t.accum * cfg.data.seq_len
     return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",
             "global batch": f"{t.micro_batch} x {dp} x {t.accum} = {t.micro_batch * dp * t.accum}",
-            "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": t.recompute,
+            "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": str(t.recompute),
             "optimizer_shard": p.optimizer_shard, "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
             "model states GiB": round(m["weights"] + m["gradients"] + m["optimizer"], 1),
-            "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row["fits"],
-            "step s": round(row["step_time_s"], 2), "tokens/s/device": round(row["tokens_per_s_per_device"]),
-            "MFU": round(row["mfu"], 3),
-            f"days for {tokens / 1e9:g}B tokens": round(tokens / row["tokens_per_s"] / 86400, 1)}
+            "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row.fits,
+            "step s": round(row.step_time_s, 2), "tokens/s/device": round(row.tokens_per_s_per_device),
+            "MFU": round(row.mfu, 3),
+            f"days for {tokens / 1e9:g}B tokens": round(tokens / row.tokens_per_s / 86400, 1)}
 
 
 def compare_recipes(tokens: float = 100e9) -> list[dict]:

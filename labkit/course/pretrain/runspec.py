@@ -20,19 +20,18 @@ layout and the batch), Search (the planner's rows, best first); then the final c
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import RunConfig, coerce, load, load_run_config, set_dotted, to_dict
+from labkit.config import Layout, RunConfig, coerce, load, load_run_config, set_value, to_dict
 from labkit.errors import LabkitError
 from labkit.runtime import prepare_process
 from labkit.model.shapes import num_params
 from labkit.paths import RUNS, lab_path
 from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
-from labkit.course.pretrain.layouts import divisors, estimate, recompute_fraction, shortfall, split_batch
+from labkit.course.pretrain.layouts import divisors, estimate, shortfall, split_batch
 
 
 @dataclass
@@ -48,8 +47,8 @@ class PretrainRun:
     node_rank: int
     master_addr: str | None
     master_port: int | None
-    strategy: dict  # the planner's row for the chosen layout (memory_gib, step_time_s, tokens_per_s, mfu, fits)
-    alternatives: list  # other layouts the planner judged, best first
+    strategy: object  # labkit.parallel.planner.Strategy of the chosen layout (memory_gib, step_time_s, mfu, fits)
+    alternatives: list  # other layouts' Strategy the planner judged, best first
     can_train: bool  # the devices are here
     why_not: str | None  # why this machine does not train
     output_dir: Path
@@ -64,7 +63,7 @@ class PretrainRun:
 
     def describe(self) -> str:
         t, p, s = self.cfg.train, self.cfg.parallel, self.strategy
-        m = s["memory_gib"]
+        m = s.memory_gib
         lines = [f"preset {self.preset}: {self.model.name}, {num_params(self.model):,} parameters; "
                  f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
                  f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
@@ -75,9 +74,9 @@ class PretrainRun:
                  f"memory per device (planner): {m['total']:.1f} of {self.device_memory_gib:g} GiB = weights "
                  f"{m['weights']:.1f} + gradients {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + "
                  f"activations {m['activations']:.2f} + overhead {m['overhead']:.1f} -> "
-                 + ("fits" if s["fits"] else "DOES NOT FIT"),
-                 f"predicted: {s['step_time_s']:.3g} s/step, {s['tokens_per_s_per_device']:,.0f} tokens/s per "
-                 f"device, MFU {s['mfu']:.0%}",
+                 + ("fits" if s.fits else "DOES NOT FIT"),
+                 f"predicted: {s.step_time_s:.3g} s/step, {s.tokens_per_s_per_device:,.0f} tokens/s per "
+                 f"device, MFU {s.mfu:.0%}",
                  f"output: {self.output_dir}",
                  "will train here" if self.can_train else f"plan only, no training here: {self.why_not}"]
         derived = [f"  {k} = {getattr_dotted(self.cfg, PARAMS[k].field) if PARAMS[k].field else v[0]}  ({v[1]})"
@@ -95,13 +94,10 @@ def getattr_dotted(obj, dotted: str):
 
 
 def _typed(name: str, value):
-    import typing
-
-    tp = eval(PARAMS[name].type, {"Optional": typing.Optional, "int": int, "float": float, "str": str, "bool": bool})
     try:
-        return coerce(value, tp, name)
+        return coerce(value, PARAMS[name].type, name)
     except LabkitError as e:
-        raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type}") from None
+        raise LabkitError(f"parameter {e.what}", f"pass a value of type {PARAMS[name].type_name}") from None
 
 
 def _caller_base() -> Path:
@@ -150,13 +146,12 @@ def _settings(namespace: dict) -> Settings:
     data = to_dict(base)
     for p in PARAMETERS:  # plain settings: the parameter wins, None keeps the config's value
         if p.field and given[p.name] is not None and p.name not in LAYOUT_PARAMS:
-            set_dotted(data, f"{p.field}={json.dumps(given[p.name])}")
+            set_value(data, p.field, given[p.name])
     cfg = load(RunConfig, data)  # validates types, schedule, recompute syntax later
     model = cfg.model_config()
     if cfg.data.seq_len > model.max_position_embeddings:
         raise LabkitError(f"parameter seq_len = {cfg.data.seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}", f"use seq_len <= {model.max_position_embeddings}")
-    recompute_fraction(cfg.train.recompute, model.num_layers)  # raises on a bad spec
     return Settings(given=given, preset=preset, pre=pre, base=base, data=data, cfg=cfg, model=model)
 
 
@@ -265,13 +260,16 @@ class Search:
     rows: list
 
     @property
-    def best(self) -> dict:
+    def best(self):
         return self.rows[0]
 
 
 def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tuple[list, dict]:
     """The planner's row for each dp x mp x pp the parameters allow, and why each other one cannot work."""
+    from labkit.parallel.planner import Machine
+
     t, devices, target = s.cfg.train, place.devices, s.cfg.parallel.device_target
+    machine = Machine(devices, place.memory_gib, device=dev, nodes=place.nodes)
     rows, reasons = [], {}
     for m in divisors(devices):
         for q in divisors(devices // m):
@@ -282,9 +280,9 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
             mb, acc, g, why = split_batch(pin.global_batch, pin.micro_batch, pin.accum, t.micro_batch, d)
             if why is None:
                 try:
-                    rows.append(estimate(s.model, dev, place.memory_gib, devices=devices, nodes=place.nodes,
-                                         seq_len=s.cfg.data.seq_len, dp=d, mp=m, pp=q, micro_batch=mb, accum=acc,
-                                         recompute=t.recompute, optimizer_shard=pin.optimizer_shard and d > 1,
+                    layout = Layout(dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
+                                    optimizer_shard=pin.optimizer_shard and d > 1)
+                    rows.append(estimate(s.model, machine, layout, seq_len=s.cfg.data.seq_len,
                                          amp_level=t.amp_level, flash_attention=flash))
                 except LabkitError as e:
                     why = e.what
@@ -296,6 +294,7 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
 def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
     from labkit.model.llama import backend_flags
     from labkit.parallel.devices import device_preset
+    from labkit.parallel.planner import Machine
 
     target = s.cfg.parallel.device_target
     flash = backend_flags(target).use_flash_attention
@@ -306,52 +305,52 @@ def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
                           + "; ".join(f"{k}: {v}" for k, v in reasons.items()),
                           "micro_batch x dp x accum must equal global_batch: change micro_batch/accum/"
                           "global_batch, or leave micro_batch and accum None to derive them")
-    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"], -r["dp"]))
+    rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s, -r.dp))
     best, memory = rows[0], place.memory_gib
-    if not best["fits"]:
+    if not best.fits:
         raise LabkitError(f"the planner says no layout fits in {memory:g} GiB per device (device_memory_gib): "
-                          f"{best['why_not']} "
-                          f"(dp {best['dp']} x mp {best['mp']} x pp {best['pp']}, micro_batch "
-                          f"{best['micro_batch']}, recompute {best['recompute']}, optimizer_shard "
-                          f"{best['optimizer_shard']})",
-                          _memory_fix(s.model, dev, memory, place.devices, place.nodes, s.cfg, pin.global_batch or
-                                      best["micro_batch"] * best["dp"] * best["accum"], target, flash))
+                          f"{best.why_not} "
+                          f"(dp {best.dp} x mp {best.mp} x pp {best.pp}, micro_batch "
+                          f"{best.micro_batch}, recompute {best.layout.recompute}, optimizer_shard "
+                          f"{best.optimizer_shard})",
+                          _memory_fix(s.model, Machine(place.devices, memory, device=dev, nodes=place.nodes), s.cfg,
+                                      pin.global_batch or best.micro_batch * best.dp * best.accum, flash))
     return Search(device=dev, rows=rows)
 
 
 def _chosen_sources(s: Settings, pin: Pinned, found: Search) -> dict:
     """Where the layout and batch values that were left None came from."""
     best, t, given = found.best, s.cfg.train, s.given
-    fitting = sum(r["fits"] for r in found.rows)
+    fitting = sum(r.fits for r in found.rows)
     how = {"dp": f"planner's best of {fitting} fitting layouts", "mp": f"planner's best of {fitting} fitting layouts",
            "pp": f"planner's best of {fitting} fitting layouts",
-           "micro_batch": "config" if best["micro_batch"] == t.micro_batch else
+           "micro_batch": "config" if best.micro_batch == t.micro_batch else
            f"config's {t.micro_batch}, lowered to divide global_batch / dp",
            "accum": "global_batch / (micro_batch x dp)",
            "global_batch": "config" if pin.global_batch else "micro_batch x dp x accum"}
-    return {name: (best[name] if name in ("dp", "mp", "pp") else None, why)
+    return {name: (getattr(best, name) if name in ("dp", "mp", "pp") else None, why)
             for name, why in how.items() if given[name] is None}
 
 
-def _parallel_mode(devices: int, target: str, configured: str | None, best: dict, shard: bool) -> str:
+def _parallel_mode(devices: int, target: str, configured: str | None, best, shard: bool) -> str:
     if devices == 1:
         return "stand_alone"
     if target == "CPU":
         return "data_parallel"
     if configured in ("semi_auto_parallel", "auto_parallel"):
         return configured
-    return "semi_auto_parallel" if (best["mp"] > 1 or best["pp"] > 1 or shard) else "data_parallel"
+    return "semi_auto_parallel" if (best.mp > 1 or best.pp > 1 or shard) else "data_parallel"
 
 
-def _final_config(s: Settings, place: Placement, best: dict, shard: bool, out: Path) -> RunConfig:
+def _final_config(s: Settings, place: Placement, best, shard: bool, out: Path) -> RunConfig:
     """The run config with the chosen layout and batch, output_dir and the user paths made absolute."""
     data = copy.deepcopy(s.data)
     mode = _parallel_mode(place.devices, s.cfg.parallel.device_target, s.base.parallel.parallel_mode, best, shard)
-    for key, value in (("parallel.dp", best["dp"]), ("parallel.mp", best["mp"]), ("parallel.pp", best["pp"]),
+    for key, value in (("parallel.dp", best.dp), ("parallel.mp", best.mp), ("parallel.pp", best.pp),
                        ("parallel.optimizer_shard", shard), ("parallel.parallel_mode", mode),
-                       ("train.micro_batch", best["micro_batch"]), ("train.accum", best["accum"]),
-                       ("train.global_batch", best["micro_batch"] * best["dp"] * best["accum"])):
-        set_dotted(data, f"{key}={json.dumps(value)}")
+                       ("train.micro_batch", best.micro_batch), ("train.accum", best.accum),
+                       ("train.global_batch", best.micro_batch * best.dp * best.accum)):
+        set_value(data, key, value)
     data["output_dir"] = str(out)
     for key in ("dataset", "tokenizer", "init_checkpoint"):
         section = "train" if key == "init_checkpoint" else "data"
@@ -371,7 +370,7 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     pin = _pinned(s, place)
     found = _search(s, place, pin)
     given, best = s.given, found.best
-    shard = pin.optimizer_shard and best["optimizer_shard"]
+    shard = pin.optimizer_shard and best.optimizer_shard
     scratch = given["output_dir"] is None
     out = (RUNS / "pretrain" / s.preset) if scratch else _caller_base() / Path(given["output_dir"]).expanduser()
     sources = {**{k: (v, "parameter") for k, v in given.items() if v is not None}, **place.sources, **pin.sources,
@@ -411,32 +410,34 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
     ds = run_dir.check_dataset(c) if c.data.dataset else None
     run_dir.check_init_checkpoint(c.train.init_checkpoint, c)
     run_dir.check_run_folder(run.output_dir, resume=run.resume, overwrite=run.overwrite, steps=c.train.steps,
-                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1, cfg=c, dataset=ds,
-                             global_batch=c.train.global_batch)
+                             spelling=run_dir.PAPERMILL, shared=run.nodes > 1,
+                             fit=run_dir.ResumeFit(c, dataset=ds, global_batch=c.train.global_batch))
 
 
-def _memory_fix(model, dev, memory, devices, nodes, cfg, global_batch, target, flash) -> str:
-    """The planner's fastest fitting strategy for these devices, as parameters to pass."""
+def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) -> str:
+    """The planner's fastest fitting strategy for the machine's devices, as parameters to pass."""
     from labkit.parallel import planner
+    from labkit.parallel.memory import Numerics
 
     precision, master = AMP_PRECISION[cfg.train.amp_level]
+    target = cfg.parallel.device_target
     found = []
     for rc in ("none", "full"):
         cons = {"recompute": rc, **({"mp": 1, "pp": 1} if target == "CPU" else {})}
         if target == "CPU":
             cons["optimizer_shard"] = False
-        res = planner.plan(model, devices, memory, device=dev, seq_len=cfg.data.seq_len, global_batch=global_batch,
-                           precision=precision, master_weights=master, nodes=nodes, flash_attention=flash,
+        res = planner.plan(model, machine, seq_len=cfg.data.seq_len, global_batch=global_batch,
+                           numerics=Numerics(precision=precision, master_weights=master, flash_attention=flash),
                            constraints=cons)
-        found += [r for r in res["strategies"] if r["fits"]]
+        found += [r for r in res["strategies"] if r.fits]
         why = res["why"]
     if not found:
         return f"the planner finds no fitting strategy at all: {why}"
-    b = max(found, key=lambda r: r["tokens_per_s"])
-    rc = {"none": "none", "full": "all"}[b["recompute"]]
-    return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b['dp']} -p mp "
-            f"{b['mp']} -p pp {b['pp']} -p micro_batch {b['micro_batch']} -p recompute {rc} -p optimizer_shard "
-            f"{b['optimizer_shard']} ({b['memory_gib']['total']:.1f} GiB)")
+    b = max(found, key=lambda r: r.tokens_per_s)
+    rc = b.layout.recompute
+    return (f"the planner's fastest fitting strategy for global_batch {global_batch}: -p dp {b.dp} -p mp "
+            f"{b.mp} -p pp {b.pp} -p micro_batch {b.micro_batch} -p recompute {rc} -p optimizer_shard "
+            f"{b.optimizer_shard} ({b.memory_gib['total']:.1f} GiB)")
 
 
 # ---------------------------------------------------------------------------------------------- the 7B recipes

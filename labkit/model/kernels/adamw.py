@@ -63,9 +63,9 @@ def optimizer_class():
 
     update = C.MultitypeFuncGraph("labkit_adamw_update")
 
-    @update.register("Function", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                     "Tensor", "Tensor", "Bool")
-    def _update(op, beta1, beta2, eps, lr, gscale, decay, param, m, v, grad, decay_flag):
+    @update.register("Function", "Tuple", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
+    def _update(op, step, decay, param, m, v, grad, decay_flag):
+        beta1, beta2, eps, lr, gscale = step  # what every parameter's update of this step shares
         if decay_flag:
             return op(param, m, v, lr, beta1, beta2, eps, decay, grad, gscale)
         return op(param, m, v, lr, beta1, beta2, eps, 0.0, grad, gscale)
@@ -81,7 +81,8 @@ def optimizer_class():
             decay = self.get_weight_decay()
             lr = self.get_lr()
             self.assignadd(self.global_step, self.global_step_increase_tensor)
-            return self.hyper_map(F.partial(update, self.fused_update, self.beta1, self.beta2, self.eps, lr, gscale),
+            step = (self.beta1, self.beta2, self.eps, lr, gscale)
+            return self.hyper_map(F.partial(update, self.fused_update, step),
                                   decay, self._parameters, self.moments1, self.moments2, gradients, self.decay_flags)
 
     return FusedAdamWeightDecay
