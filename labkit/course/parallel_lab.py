@@ -23,7 +23,7 @@ import numpy as np
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
-from labkit.parallel.memory import layer_activations, loss_activations
+from labkit.parallel.memory import Numerics, layer_activations, loss_activations
 from labkit.model import scratch
 from labkit.paths import ROOT, RUNS
 from labkit.training import layouts
@@ -155,8 +155,9 @@ def activation_memory(folder: Path | None = None) -> dict:
         peaks = [pool_peak_mb((launch / "logs" / f"worker_{r['rank']}.log").read_text(errors="replace"))
                  for r in rows]
         stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"], s["global_batch"], mp=lay.tp,
-                                                        sequence_parallel=lay.sp, flash_attention=False,
-                                                        fused_norm=False, fused_silu=False)["stored"]
+                                                        sequence_parallel=lay.sp, numerics=Numerics(
+                                                            flash_attention=False, fused_norm=False, fused_silu=False)
+                                                        )["stored"]
         loss = loss_activations(cfg, s["seq_len"], s["global_batch"], act_bytes=4, fused_norm=False)
         out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r["held"] for r in rows],
                                     "planner_stored_mib": stored / 2**20, "planner_loss_mib": loss / 2**20,
