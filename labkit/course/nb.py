@@ -43,12 +43,13 @@ BASIS_WORDS = {"measured": ("此处实测", "measured here"), "planner": ("规�
 VERDICTS: list[dict] = []  # every verdict of this kernel, in order: the notebook's summary table is made from it
 
 
-def verdict(item: str, claim: str, held: bool | None, figure: str, basis: str | None = None) -> dict:
+def verdict(item: str, claim: str, held: bool | None, figure: str, basis: str | None = None) -> None:
     """A seed claim judged in this run: held (True), did not hold (False), or not testable here (None; `figure` then
     says why). `basis` says what the judgement rests on (BASIS_WORDS): by default "measured" when held is True/False
     and "not testable" when it is None; pass "planner" or "config" when the figure comes from the planner's model or
     from reading a config rather than from a measurement. Printed, kept in VERDICTS for `verdict_table()`, and
-    recorded for `labkit run`'s summary. Assert the `held` you pass against the figures in the same cell."""
+    recorded for `labkit run`'s summary (returns nothing, so a cell that ends with a verdict shows only its line).
+    Assert the `held` you pass against the figures in the same cell."""
     if held not in VERDICT_WORDS:
         raise ValueError(f"verdict {item!r}: held must be True, False or None (not testable), not {held!r}")
     basis = basis or ("not testable" if held is None else "measured")
@@ -64,7 +65,6 @@ def verdict(item: str, claim: str, held: bool | None, figure: str, basis: str | 
     on = "" if held is None else f"{basis_zh} / {basis_en}: "
     print(f"[{item}] {claim}: {zh} / {en.upper()} ({on}{figure})")
     record(f"verdict {item}: {claim}", f"{en}, {basis_en} ({figure})")
-    return row
 
 
 def verdict_table():
