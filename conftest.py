@@ -13,7 +13,7 @@ import labkit  # noqa: F401  first, before any test module imports MindSpore: la
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
     "notebooks/04_single_card.ipynb",  # 252
-    "notebooks/08a_memory_numerics.ipynb",  # ~250 under papermill on a busy machine (08 whole was 223)
+    "notebooks/08a_memory_numerics.ipynb",  # 392 under nbval --durations at load average ~9 (08 whole was 223)
     "notebooks/05_data_parallel.ipynb",  # 197, measured before its drill runs stopped evaluating
     # after 05, not among the first three: its first test bounds node 0's whole run (start-up included) at 60 s, and
     # at the start every worker and kernel imports MindSpore at once (3 workers: 39-52 s there, 21 s with 2)
@@ -23,7 +23,7 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
     "notebooks/06b_pipeline_zero_planner.ipynb",  # ~90 (the calibration; the parallel runs are test_layouts')
-    "notebooks/08b_data_speed_debugging.ipynb",  # ~70 under papermill on a busy machine
+    "notebooks/08b_data_speed_debugging.ipynb",  # 47 under nbval --durations at load average ~9
     "tests/test_eval.py",  # 67
     "notebooks/06a_tensor_parallel.ipynb",  # ~20 after test_layouts (listed earlier) launched the parallel runs
     "notebooks/07_pretrain.ipynb",  # 60
