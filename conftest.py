@@ -14,8 +14,8 @@ from labkit.runtime import prepare_process
 prepare_process("CPU")  # the suite runs on CPU; before any test module imports MindSpore (labkit/runtime.py)
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
+    "notebooks/08a_memory_numerics.ipynb",  # 392 under nbval --durations at load average ~9 (08 whole was 223)
     "notebooks/04a_single_card.ipynb",  # 254 (alone under nbval, 2026-12-05, a busy machine; 04 was 252 before its split)
-    "notebooks/08_troubleshooting.ipynb",  # 223
     "notebooks/04b_precision_and_knobs.ipynb",  # 202 (as 04a)
     "notebooks/05_data_parallel.ipynb",  # 197, measured before its drill runs stopped evaluating
     # after 05, not among the first three: its first test bounds node 0's whole run (start-up included) at 60 s, and
@@ -26,6 +26,7 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
     "notebooks/06b_pipeline_zero_planner.ipynb",  # ~90 (the calibration; the parallel runs are test_layouts')
+    "notebooks/08b_data_speed_debugging.ipynb",  # 47 under nbval --durations at load average ~9
     "tests/test_eval.py",  # 67
     "notebooks/06a_tensor_parallel.ipynb",  # ~20 after test_layouts (listed earlier) launched the parallel runs
     "notebooks/07_pretrain.ipynb",  # 60

@@ -8,7 +8,7 @@
 Every run is labkit's real Trainer (clipping at train.grad_clip, as configured) on the tiny config, in this one
 process (one MindSpore import; each run compiles its own graph). A run "diverged" when the trainer stopped on a
 non-finite loss or gradient (LabkitFailure naming the step) or when its final loss ended above its first one.
-The sweep over lr stops after the first diverged run unless --all. Notebook 08 runs two or three of these points;
+The sweep over lr stops after the first diverged run unless --all. Notebook 08a runs two or three of these points;
 this script is for the full picture. Quote figures only from a quiet machine, with its CPU (`lscpu`).
 """
 from __future__ import annotations

@@ -155,7 +155,7 @@ CAPPED_RUN = ["--steps", "3", "--micro-batch", "96", "--set", "train.save_every=
 
 def _capped(tmp_path, *argv):
     """`python -m labkit ARGV` with everything it starts in a 700 MB memory cgroup (made and removed by
-    monitor.run_capped, notebook 08's cap): micro-batch 96 needs several GB, so the kernel kills the worker in step 0
+    monitor.run_capped, notebook 08a's cap): micro-batch 96 needs several GB, so the kernel kills the worker in step 0
     (while it compiles or runs it: whenever it happens, only the classification is asserted)."""
     if not sys.platform.startswith("linux") or M.cap_method() == "rlimit":
         pytest.skip("no memory cgroup can be made here: needs root with cgroup v1's memory controller, or a "

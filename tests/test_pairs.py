@@ -243,7 +243,7 @@ def test_resume_keeps_the_data_order_on_the_same_data(tmp_path, monkeypatch):
                                           r"x dp 2 x train.accum 1\)") as e:
         resume(out, cfg_of(out=out), global_batch=16)
     assert "micro_batch x dp x accum = 8" in e.value.fix
-    # another dataset (a seq_len curriculum, notebook 08): a new order there, the same tokenizer
+    # another dataset (a seq_len curriculum, notebook 08a): a new order there, the same tokenizer
     other = cfg_of("data.seq_len=64", "train.seed=7", "train.micro_batch=16", out=out)
     folder = resume(out, other, global_batch=16)
     tok = tmp_path / "tok"

@@ -1,9 +1,10 @@
-"""Notebook 08's diagnoses that need no training run: the operator groups of a profile and the planner's
-activation count the sequence-length lab compares with MindSpore's memory pool."""
+"""Notebooks 08a and 08b's diagnoses that need no training run: the operator groups of a profile, the planner's
+activation count the sequence-length lab compares with MindSpore's memory pool, and a difference judged against the
+seed-to-seed spread."""
 import pytest
 
 from labkit.config import model_preset
-from labkit.course.troubleshoot import planner_activations_mb
+from labkit.course.troubleshoot import beyond_seed_noise, planner_activations_mb
 from labkit.training.profile import OP_GROUPS, op_groups, table
 
 
@@ -27,7 +28,7 @@ def test_no_operator_type_is_in_two_groups():
 
 
 def test_at_equal_tokens_only_the_attention_scores_shrink():
-    """seq 128 x micro-batch 8 against seq 64 x 16 (lab 5's short phase): the same tokens, so every linear term
+    """seq 128 x micro-batch 8 against seq 64 x 16 (08a lab 4's short phase): the same tokens, so every linear term
     cancels and the difference is the float32 scores, heads x s x s per sample in every layer."""
     cfg = model_preset("tiny")
     diff = planner_activations_mb(cfg, 128, 8) - planner_activations_mb(cfg, 64, 16)
@@ -78,3 +79,13 @@ def test_torch_groups_cover_a_real_training_step():
     assert {"optimizer", "reduction / softmax / loss", "element-wise"} <= set(rows)
     unnamed = [op for op in prof["times_ms"] if torch_group(op) == "other"]
     assert not unnamed, f"operators in no group: {unnamed}"
+
+
+def test_a_difference_counts_only_beyond_the_seed_spread():
+    diff, spread, held = beyond_seed_noise([1.0, 1.1, 1.2], [2.0, 2.05, 2.1])
+    assert held is True and diff == pytest.approx(-0.95) and spread == pytest.approx(0.2)
+    assert beyond_seed_noise([2.0, 2.05, 2.1], [1.0, 1.1, 1.2])[2] is False
+    diff, spread, held = beyond_seed_noise([1.0, 1.3], [1.1, 1.2])  # 0.0 apart, the seeds 0.3 apart
+    assert held is None and spread == pytest.approx(0.3) and diff == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="two seeds"):
+        beyond_seed_noise([1.0], [2.0, 2.1])

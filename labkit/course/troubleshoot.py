@@ -1,5 +1,6 @@
-"""Notebook 08's helpers that join layers: the out-of-memory probe that quotes the planner's memory need
-(`labkit.training.oom.planner_need_mb`; labkit.training.monitor runs and classifies), and the activation lab."""
+"""Notebook 08a's helpers that join layers: the out-of-memory probe that quotes the planner's memory need
+(`labkit.training.oom.planner_need_mb`; labkit.training.monitor runs and classifies), a comparison judged against
+the seed-to-seed spread, and the activation lab."""
 from __future__ import annotations
 
 from functools import partial
@@ -22,7 +23,19 @@ def _probe(config, limit_mb, sets, cfg, micro_batch: int) -> dict:
     return train_capped(config, micro_batch, limit_mb, sets, predict=partial(planner_need_mb, cfg))
 
 
-# ---------------------------------------------------------------- lab 5: activation memory against sequence length
+def beyond_seed_noise(values: list[float], against: list[float]) -> tuple[float, float, bool | None]:
+    """(difference of the means, seed-to-seed spread, verdict) of one setting's per-seed results against another's,
+    lower being better (a loss). The spread is the larger range over the seeds of either setting, measured in the
+    same run; the difference counts only beyond it: True if lower by more, False if higher by more, None within it
+    (the run cannot tell the settings apart)."""
+    if len(values) < 2 or len(against) < 2:
+        raise ValueError("a seed-to-seed spread needs at least two seeds of each setting")
+    diff = sum(values) / len(values) - sum(against) / len(against)
+    spread = max(max(values) - min(values), max(against) - min(against))
+    return diff, spread, (True if diff < -spread else False if diff > spread else None)
+
+
+# ---------------------------------------------------------------- lab 4: activation memory against sequence length
 # MindSpore prints its memory-pool statistics only when a process ends, and a process keeps its highest peak, so
 # each sequence length needs a process of its own. One child imports MindSpore and mindformers once and forks a
 # grandchild per length (bench/plan_calibration.py does the same); a grandchild trains a few steps and exits like a

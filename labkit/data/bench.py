@@ -126,10 +126,11 @@ def check_claims(r: dict, loader_tokens_per_s: float, tokens_per_step: int, step
         out.append(dict(claim="16 workers cut step time 25%", value=None, verdict="not measured", evidence=ev))
     else:
         share = load_s / step_seconds
-        out.append(dict(claim="16 workers cut step time 25%", value=round(share, 5),
-                        verdict="held" if share >= 0.25 else "did not hold",
+        # the claim is about 16 host CPUs feeding an accelerator, whose step is far shorter than a CPU step: this
+        # machine bounds its own saving, not the claim's
+        out.append(dict(claim="16 workers cut step time 25%", value=round(share, 5), verdict="not testable here",
                         evidence=ev + f", the tiny model {step_seconds * 1e3:.0f} ms: loading is {share:.2%} of a "
-                                      f"step, so no worker count can cut step time by more than that"))
+                                      f"step, so here no worker count can cut step time by more than that"))
     pf = r["mindrecord_tokens_per_s_by_prefetch"]
     if len(pf) >= 2:
         lo, hi = min(pf), max(pf)

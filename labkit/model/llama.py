@@ -123,7 +123,7 @@ def build_model(cfg: ModelConfig, *, seq_length: int, batch_size: int = 1, backe
 def init_weights(model, cfg: ModelConfig, seed: int) -> None:
     """Normal(0, init_std) for every matrix; the two residual-branch output projections (`attention.wo`,
     `feed_forward.w2`) use init_std / sqrt(2 * num_layers) (GPT-2 / Megatron scaling), so the residual
-    stream's variance does not grow with depth (`scale_residual_init: false` turns that off, for notebook 08's
+    stream's variance does not grow with depth (`scale_residual_init: false` turns that off, for notebook 08a's
     comparison); RMSNorm gains start at 1. Deterministic in `seed`."""
     import numpy as np
     import mindspore as ms

@@ -383,7 +383,7 @@ def loss_scale_trace(finite, scale: float, factor: int, window: int) -> list[flo
     """The loss scale before each step of a finite/overflow sequence, by the rule of MindSpore 2.9's
     `amp.DynamicLossScaler.adjust`: an overflow divides the scale by `factor` (floor 1) and resets the counter;
     the `window`-th finite step in a row multiplies it by `factor`. Pure Python, so long sequences cost nothing
-    (one `adjust` call is a few PyNative kernels); notebook 08 checks it against MindSpore's own class."""
+    (one `adjust` call is a few PyNative kernels); notebook 08a checks it against MindSpore's own class."""
     out, counter = [], 0
     for ok in finite:
         out.append(scale)

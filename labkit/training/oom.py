@@ -2,7 +2,7 @@
 
 A process's memory cgroup is read while it lives and again at its death (`memory_watch`, `oom_evidence`; the launcher
 asks it about every rank), and the report gives the limit and the planner's figures (`memory_knobs`). `labkit train`
-typed on a command line is watched by a parent process that does the same (`train_watched`). The caps notebook 08
+typed on a command line is watched by a parent process that does the same (`train_watched`). The caps notebook 08a
 puts on its own runs, and `classify_death`, are in labkit.training.monitor."""
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def kernel_oom_line(pid: int, since: float = 0.0) -> str | None:
 def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None = None,
                     recompute: str | None = None) -> dict:
     """The planner's memory need of one worker of run config `cfg` (its micro-batch, seq_len and recompute unless
-    given), MB by part: `labkit.parallel.memory` as notebook 08 quotes it on CPU (fp32, no flash attention, unfused
+    given), MB by part: `labkit.parallel.memory` as notebook 08a quotes it on CPU (fp32, no flash attention, unfused
     norm; `last:K` and the like weigh the planner's none and full by the share of layers recomputed). Not counted:
     MindSpore's own memory    (libraries, graph compilation, allocator pools)."""
     import dataclasses
@@ -168,7 +168,7 @@ def _micro_batch_knob(cfg, need_mb: float, limit_mb: float | None) -> str:
 # started, not main([...]) inside a notebook or test) therefore forks before it imports MindSpore: the child trains;
 # the parent (Python, labkit's CLI and numpy: ~43 MB resident, shared copy-on-write with the child, ~18 MB of it its
 # own while the child trains) waits, names a SIGKILL with `oom_evidence` and `memory_knobs` as the launcher does,
-# and ends as the child ended: its exit code, or by the same signal, so whoever reads the exit status (notebook 08's
+# and ends as the child ended: its exit code, or by the same signal, so whoever reads the exit status (notebook 08a's
 # capped runs, the launcher's one-worker job, the fault drills) sees what it saw before. No second interpreter starts
 # and nothing is imported twice. Ctrl-C reaches both (one process group): the child stops cleanly, the parent waits;
 # SIGTERM and SIGHUP sent to the parent are passed on; the child gets SIGKILL if the parent dies.

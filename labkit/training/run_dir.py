@@ -14,7 +14,7 @@ combines, checked before MindSpore builds anything (from files' headers: no fram
       how the global batch is split (micro_batch, dp, accum) may change;
     may change: steps, the learning-rate schedule and optimizer settings, save/eval/sample cadence, kernels,
       recompute, loader workers, the parallel layout at the same global batch; and the dataset itself (another
-      seq_len or corpus, same tokenizer: a curriculum such as notebook 08's short-then-long sequences, which
+      seq_len or corpus, same tokenizer: a curriculum such as notebook 08a's short-then-long sequences, which
       continues at batch `step` of the new dataset and may use another global batch there);
 - a training checkpoint used for generation against the config recorded with it and the tokenizer paired with it.
 Conversion and parity (labkit.weights, a lower layer) use the same checks from labkit.weights.convert.
