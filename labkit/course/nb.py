@@ -89,21 +89,44 @@ def exercise(key: str, verify: Callable[[], bool], hint: str,
     return False
 
 
+_CELLS: list[str] = []  # the last two cells the kernel started, in strict mode: [solution, check] at a check
+
+
+def _watch_cells() -> None:
+    """In strict mode inside a kernel, remember each cell's source as it starts (nbval runs cells without input
+    history, so `In` cannot be relied on)."""
+    if os.environ.get(STRICT_EXERCISES_ENV) != "1":
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def remember(info):
+        _CELLS[:] = [*_CELLS[-1:], shell.transform_cell(info.raw_cell)]
+
+    shell.events.register("pre_run_cell", remember)
+
+
 def _solution_source() -> str | None:
-    """The cell executed just before the running check cell, from IPython's input history (None outside IPython).
+    """The cell run just before the running check cell (None outside a kernel, where nothing was watched).
 
     Every notebook puts a check cell right after its solution cell (tests/test_exercise.py holds them to it)."""
     try:
         from IPython import get_ipython
     except ImportError:
         return None
-    shell = get_ipython()
-    if shell is None:
+    if get_ipython() is None:
         return None
-    history = shell.user_ns.get("In") or []
-    if len(history) < 2:
+    if len(_CELLS) < 2:
         raise AssertionError("strict exercises: no solution cell ran before this check cell")
-    return history[-2]
+    return _CELLS[-2]
+
+
+_watch_cells()
 
 
 def _bound_names(source: str) -> list[str]:
@@ -173,6 +196,7 @@ def _prove_check_can_fail(verify: Callable[[], bool], solution_source: str,
     globals for one call of `verify`, as in a student copy, and the check must answer "not yet" (False or an
     exception). What this cannot prove: a name an earlier cell also defined is absent here, whereas in a student
     copy it keeps the earlier cell's value - a check that accepts that earlier value is not caught.
+    A binding made inside a magic (`%time y = 1`) is not seen, so such a name stays and the proof fails loudly.
     (b) the tool's own answer: the names -> values from `tool_answer()` (computed with the labkit function the
     exercise asks to replace by hand) are bound instead of the solution's, and the check must reject them.
     The check's globals are put back exactly as they were after each call."""
