@@ -78,3 +78,22 @@ def test_every_check_cell_follows_its_solution_cell():
         for i, cell in enumerate(cells):
             if CHECK_TAG in tags(cell):
                 assert i and SOLUTION_TAG in tags(cells[i - 1]), f"{path.name} cell {i}: no solution cell just above"
+
+
+def test_in_a_shell_the_cell_run_before_the_check_is_the_solution(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv(nb_module.STRICT_EXERCISES_ENV, "1")
+    monkeypatch.setattr(nb_module, "_CELLS", [])
+    shell = InteractiveShell.instance()
+    try:
+        nb_module._watch_cells()
+        shell.user_ns["nb"] = nb_module
+        for source, caught in (("y = 1", None), ("nb.exercise('k.1', lambda: y == 1, '-')", None),
+                               ("y = 1", None),
+                               ("nb.exercise('k.2', lambda: 'y' not in globals() or y == 1, '-')", "emptied")):
+            error = shell.run_cell(source, store_history=False).error_in_exec
+            assert (error is None) if caught is None else caught in str(error)
+        assert shell.user_ns["y"] == 1
+    finally:
+        InteractiveShell.clear_instance()
