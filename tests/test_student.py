@@ -70,7 +70,9 @@ def test_student_copies_of_the_course(tmp_path, monkeypatch):
         checks = [c for c in copy["cells"] if CHECK_TAG in tags(c)]
         assert solutions and checks, f"{original.name}: every notebook has exercises with a solution and a check"
         assert report["notebooks"][original.name] == {"solutions_emptied": len(solutions), "checks": len(checks)}
-        for cell in checks:  # alone, without the solution, each check answers "not yet" and does not raise
+        # alone, each check answers "not yet" and does not raise; that it rejects an emptied solution in the
+        # notebook's own namespace is proved in every strict run (nb._prove_check_can_fail, tests/test_exercise.py)
+        for cell in checks:
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 exec("".join(cell["source"]), {"nb": nb_module})

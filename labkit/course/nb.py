@@ -1,6 +1,7 @@
 """Small helpers every notebook calls first: quiet logs, a run folder, checks that fail loudly."""
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -74,24 +75,159 @@ def verdict_table():
     return pd.DataFrame(VERDICTS, columns=["seed item", "claim", "verdict", "basis", "figure"])
 
 
-def exercise(key: str, verify: Callable[[], bool], hint: str) -> bool:
+def exercise(key: str, verify: Callable[[], bool], hint: str,
+             tool_answer: Callable[[], dict] | None = None) -> bool:
     """The 'exercise-check' cells: "correct" or "not yet" with a hint, never a crash for the learner.
 
     `verify` is called here, so a name the learner has not defined yet (an emptied solution cell in a student
     copy) reads as "not yet". With LABKIT_STRICT_EXERCISES=1 (`make test`, `labkit run`) a "not yet" fails the
-    notebook: that is how CI proves every shipped solution solves its exercise."""
+    notebook: that is how CI proves every shipped solution solves its exercise. In strict mode inside a kernel
+    the check must also be able to fail (see `_prove_check_can_fail`): it must reject the emptied solution cell
+    (the cell run just before this one) and, when given, `tool_answer()` - names -> values computed with the
+    labkit function the learner is meant to replace by hand."""
     try:
         ok, why = bool(verify()), ""
     except Exception as exc:  # the learner's code, or the lack of it: report it, do not crash the check cell
         ok, why = False, f" ({type(exc).__name__}: {exc})"
+    strict = os.environ.get(STRICT_EXERCISES_ENV) == "1"
     if ok:
+        if strict:
+            solution = _solution_source()
+            if solution is not None:
+                failed = _prove_check_can_fail(verify, solution, tool_answer)
+                if failed:
+                    raise AssertionError(f"exercise {key}: {failed}")
         print(f"✓ 练习 {key}：正确 / exercise {key}: correct")
         return True
     message = f"练习 {key}：还没有 / exercise {key}: not yet{why}. 提示 / hint: {hint}"
-    if os.environ.get(STRICT_EXERCISES_ENV) == "1":
+    if strict:
         raise AssertionError(message)
     print(f"✗ {message}")
     return False
+
+
+_CELLS: list[str] = []  # the last two cells the kernel started, in strict mode: [solution, check] at a check
+
+
+def _watch_cells() -> None:
+    """In strict mode inside a kernel, remember each cell's source as it starts (nbval runs cells without input
+    history, so `In` cannot be relied on)."""
+    if os.environ.get(STRICT_EXERCISES_ENV) != "1":
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def remember(info):
+        _CELLS[:] = [*_CELLS[-1:], shell.transform_cell(info.raw_cell)]
+
+    shell.events.register("pre_run_cell", remember)
+
+
+def _solution_source() -> str | None:
+    """The cell run just before the running check cell (None outside a kernel, where nothing was watched).
+
+    Every notebook puts a check cell right after its solution cell (tests/test_exercise.py holds them to it)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    if get_ipython() is None:
+        return None
+    if len(_CELLS) < 2:
+        raise AssertionError("strict exercises: no solution cell ran before this check cell")
+    return _CELLS[-2]
+
+
+_watch_cells()
+
+
+def _bound_names(source: str) -> list[str]:
+    """Names a cell binds at top level (assignments, for / with targets, defs, classes, imports), also inside
+    top-level if / for / while / with / try blocks, never inside a def or class."""
+    names: list[str] = []
+
+    def targets(node):
+        if isinstance(node, ast.Name):
+            names.append(node.id)
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                targets(elt)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    def walk(body):
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                for t in stmt.targets:
+                    targets(t)
+            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+                targets(stmt.target)
+            elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+                targets(stmt.target)
+            elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+                for item in stmt.items:
+                    if item.optional_vars is not None:
+                        targets(item.optional_vars)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(stmt.name)
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                names.extend((a.asname or a.name).split(".")[0] for a in stmt.names)
+            for block in ("body", "orelse", "finalbody"):
+                if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    walk(getattr(stmt, block, []))
+            for handler in getattr(stmt, "handlers", []):
+                walk(handler.body)
+
+    walk(ast.parse(source).body)
+    return list(dict.fromkeys(n for n in names if n != "_"))
+
+
+def _accepts(verify: Callable[[], bool], ns: dict, remove: list[str], bind: dict) -> bool:
+    """Whether `verify` answers "correct" with `remove` absent from `ns` and `bind` bound; `ns` is left exactly
+    as it was (same keys, same objects), also when verify raises."""
+    saved = {k: ns[k] for k in [*remove, *bind] if k in ns}
+    try:
+        for k in remove:
+            ns.pop(k, None)
+        ns.update(bind)
+        try:
+            return bool(verify())
+        except Exception:  # an exception is "not yet", which is what the proof wants
+            return False
+    finally:
+        for k in [*remove, *bind]:
+            ns.pop(k, None)
+        ns.update(saved)
+
+
+def _prove_check_can_fail(verify: Callable[[], bool], solution_source: str,
+                          tool_answer: Callable[[], dict] | None = None) -> str | None:
+    """Prove a check that accepted the shipped solution can also say "not yet"; the failed proof, or None.
+
+    (a) the emptied solution: every name the solution cell binds at top level is removed from the check's
+    globals for one call of `verify`, as in a student copy, and the check must answer "not yet" (False or an
+    exception). What this cannot prove: a name an earlier cell also defined is absent here, whereas in a student
+    copy it keeps the earlier cell's value - a check that accepts that earlier value is not caught.
+    A binding made inside a magic (`%time y = 1`) is not seen, so such a name stays and the proof fails loudly.
+    (b) the tool's own answer: the names -> values from `tool_answer()` (computed with the labkit function the
+    exercise asks to replace by hand) are bound instead of the solution's, and the check must reject them.
+    The check's globals are put back exactly as they were after each call."""
+    ns = getattr(verify, "__globals__", None)
+    if ns is None:
+        from IPython import get_ipython
+
+        ns = get_ipython().user_ns
+    names = _bound_names(solution_source)
+    if _accepts(verify, ns, names, {}):
+        return "the check accepts an emptied solution"
+    if tool_answer is not None and _accepts(verify, ns, names, dict(tool_answer())):
+        return "the check accepts the tool's own answer"
+    return None
 
 
 def record(name: str, value) -> None:
