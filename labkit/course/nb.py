@@ -146,44 +146,25 @@ def _solution_source() -> str | None:
 _watch_cells()
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+           ast.GeneratorExp)  # scopes of their own: what they bind is not the cell's
+
+
+def _stores(node) -> list[str]:
+    """Names `node` binds in the scope it runs in, not inside a def, class or lambda it contains."""
+    if isinstance(node, _SCOPES):
+        return [node.name] if hasattr(node, "name") else []
+    if isinstance(node, ast.Name):
+        return [node.id] if isinstance(node.ctx, ast.Store) else []
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(a.asname or a.name).split(".")[0] for a in node.names]
+    return [n for child in ast.iter_child_nodes(node) for n in _stores(child)]
+
+
 def _bound_names(source: str) -> list[str]:
     """Names a cell binds at top level (assignments, for / with targets, defs, classes, imports), also inside
-    top-level if / for / while / with / try blocks, never inside a def or class."""
-    names: list[str] = []
-
-    def targets(node):
-        if isinstance(node, ast.Name):
-            names.append(node.id)
-        elif isinstance(node, (ast.Tuple, ast.List)):
-            for elt in node.elts:
-                targets(elt)
-        elif isinstance(node, ast.Starred):
-            targets(node.value)
-
-    def walk(body):
-        for stmt in body:
-            if isinstance(stmt, ast.Assign):
-                for t in stmt.targets:
-                    targets(t)
-            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
-                targets(stmt.target)
-            elif isinstance(stmt, (ast.For, ast.AsyncFor)):
-                targets(stmt.target)
-            elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-                for item in stmt.items:
-                    if item.optional_vars is not None:
-                        targets(item.optional_vars)
-            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.append(stmt.name)
-            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                names.extend((a.asname or a.name).split(".")[0] for a in stmt.names)
-            for block in ("body", "orelse", "finalbody"):
-                if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    walk(getattr(stmt, block, []))
-            for handler in getattr(stmt, "handlers", []):
-                walk(handler.body)
-
-    walk(ast.parse(source).body)
+    top-level if / for / while / with / try blocks, never inside a def, class or lambda."""
+    names = [n for stmt in ast.parse(source).body for n in _stores(stmt)]
     return list(dict.fromkeys(n for n in names if n != "_"))
 
 
