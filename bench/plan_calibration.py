@@ -162,7 +162,7 @@ def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
     """The planner's figures for one configuration on CPU: fp32, no flash attention, unfused RMSNorm and SiLU."""
     from labkit.parallel.devices import GIB
     from labkit.model.shapes import flops_per_token
-    from labkit.config import Layout, Recompute
+    from labkit.layout import Layout, Recompute
     from labkit.parallel.memory import Numerics, adamw_early_bytes, memory_breakdown
     from labkit.parallel.planner import DEFAULT_EFFICIENCY
 

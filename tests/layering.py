@@ -4,6 +4,7 @@ Layers, bottom to top; a module imports only from its own layer or below, and th
 (weights, data, parallel) do not import each other:
 
     base       errors paths io output logs runtime
+    layout     layout
     config     config
     model      model/
     domain     weights/  data/  parallel/
@@ -22,6 +23,7 @@ from pathlib import Path
 
 LAYERS = [
     ("base", ["errors", "paths", "io", "output", "logs", "runtime"]),
+    ("layout", ["layout"]),
     ("config", ["config"]),
     ("model", ["model"]),
     ("domain", ["weights", "data", "parallel"]),

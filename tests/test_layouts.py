@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from labkit.config import Layout
+from labkit.layout import Layout
 from labkit.course import parallel_lab
 from labkit.model import scratch
 from labkit.training import layouts

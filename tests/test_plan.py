@@ -20,7 +20,8 @@ from labkit.model import shapes
 from labkit.model.shapes import num_params
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import msrun
-from labkit.config import Layout, ModelConfig, model_preset
+from labkit.config import ModelConfig, model_preset
+from labkit.layout import Layout
 from labkit.errors import LabkitError
 
 NOFA = memory.Numerics(flash_attention=False)

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from labkit.course import pretrain
-from labkit.config import Recompute, load_run_config, model_preset
+from labkit.config import load_run_config, model_preset
+from labkit.layout import Recompute
 from labkit.errors import LabkitError
 from labkit.model.shapes import num_params
 from labkit.paths import NOTEBOOKS

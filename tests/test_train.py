@@ -11,7 +11,7 @@ from labkit.model.llama import Backend, llama_config_kwargs
 from labkit.config import model_preset
 from labkit.training.world import check_batch
 from labkit.training.schedule import lr_at
-from labkit.config import Recompute
+from labkit.layout import Recompute
 
 def cfg(tmp_path, *sets):
     """The tiny config with one decoder layer (what these runs check, accumulation and a divergence caught, does not

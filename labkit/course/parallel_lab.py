@@ -336,7 +336,7 @@ EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
 
 
 def evidence(layout, root: Path = CACHE) -> list[dict]:
-    """For each parallel dimension: whether `layout` (a labkit.config.Layout) uses it, the lab run that trained it
+    """For each parallel dimension: whether `layout` (a labkit.layout.Layout) uses it, the lab run that trained it
     on CPU workers and how far that run was from one card (when its results are cached and newer than the code;
     otherwise where to run it)."""
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from labkit.config import load_run_config
-from labkit.config import Layout
+from labkit.layout import Layout
 from labkit.parallel.memory import Numerics, memory_breakdown
 from labkit.runtime import prepare_process, process_env
 from labkit.training.monitor import train_capped

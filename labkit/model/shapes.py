@@ -7,7 +7,7 @@ import math
 
 from labkit.config import ModelConfig
 from labkit.errors import LabkitError
-from labkit.config import RECOMPUTE
+from labkit.layout import RECOMPUTE
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple]:

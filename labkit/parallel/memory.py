@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from labkit.config import RECOMPUTE, Layout, ModelConfig
+from labkit.config import ModelConfig
+from labkit.layout import RECOMPUTE, Layout
 from labkit.parallel.devices import GIB
 from labkit.errors import LabkitError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from labkit.config import Layout
+from labkit.layout import Layout
 from labkit.errors import LabkitError
 
 

@@ -57,7 +57,7 @@ def msrun_command(layout, nodes: int = 1, *, node_rank: int = 0, master_addr: st
                   master_port: int = 8118, log_dir: str = "output/msrun_log",
                   script: str = "run_mindformer.py --config pretrain_llama2_7b.yaml --use_parallel True "
                                 "--run_mode train") -> str:
-    """The msrun line that starts a layout's (labkit.config.Layout) workers on one node (run it on every node with
+    """The msrun line that starts a layout's (labkit.layout.Layout) workers on one node (run it on every node with
     its rank)."""
     devices = layout.devices
     if nodes < 1 or devices % nodes:

@@ -14,7 +14,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from labkit.config import RECOMPUTE, Layout, ModelConfig, Recompute
+from labkit.config import ModelConfig
+from labkit.layout import RECOMPUTE, Layout, Recompute
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.errors import LabkitError
 from labkit.model.shapes import flops_per_token, num_params, param_counts

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.config import Recompute
+from labkit.layout import Recompute
 from labkit.training.monitor import CGROUP_V1, CGROUP_V2, classify_death, group_of, group_stats
 
 # ------------------------------------------------------------------------------------------- who killed a process

@@ -13,7 +13,7 @@ def divisors(n: int) -> list[int]:
 def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_attention: bool):
     """The planner's Strategy for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
     planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed.
-    `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.config.Layout."""
+    `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.layout.Layout."""
     from labkit.parallel import planner
     from labkit.parallel.memory import Numerics
 

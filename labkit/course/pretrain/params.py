@@ -6,7 +6,8 @@ import types
 import typing
 from dataclasses import dataclass
 
-from labkit.config import AMP_LEVELS, Recompute, RunConfig
+from labkit.config import AMP_LEVELS, RunConfig
+from labkit.layout import Recompute
 
 
 def field_type(dotted: str):

@@ -143,7 +143,7 @@ def _node_summary(run: PretrainRun, result, out: dict) -> dict:
 def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices: int = 8,
                device: str = "atlas_800t_a2", memory_gib: float | None = None, tokens: float = 100e9) -> dict:
     """One shipped recipe judged by the planner on `devices` x `device`, as the config says (no search)."""
-    from labkit.config import Layout
+    from labkit.layout import Layout
     from labkit.parallel.devices import device_preset
     from labkit.parallel.planner import Machine
     from labkit.model.llama import backend_flags

@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.config import Layout, RunConfig, coerce, load, load_run_config, set_value, to_dict
+from labkit.config import RunConfig, coerce, load, load_run_config, set_value, to_dict
+from labkit.layout import Layout
 from labkit.errors import LabkitError
 from labkit.runtime import prepare_process
 from labkit.model.shapes import num_params

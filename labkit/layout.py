@@ -1,0 +1,143 @@
+"""How a training step is spread over devices and what it recomputes: the one vocabulary the config, the trainer,
+the planner, the memory model and mindformers' YAML share (`Recompute`, `Layout`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from labkit.errors import LabkitError
+
+RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
+RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation: what each recomputed decoder layer recomputes in the backward pass (`mode`:
+    none; selective = the attention core; full = the whole layer from its input) and which layers do it.
+
+    The layers are a slice of the layer list, `start` to `stop` (exclusive; None = through the last layer); a
+    negative `start` counts from the end. Written as text (YAML, `--set`, parameters) in one of RECOMPUTE_FORMS:
+    `all` = full on every layer, `last:K` = full on the last K, `first:K`, `A-B`; `selective` and `full` are the
+    planner's modes on every layer. str() gives the text back."""
+
+    mode: Literal["none", "selective", "full"] = "none"
+    start: int = 0
+    stop: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "train.recompute") -> Recompute:
+        """One of RECOMPUTE_FORMS (or true/false); a LabkitError naming `where` and the accepted forms if not."""
+        if isinstance(value, Recompute):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls("full") if value else cls()
+        s = str(value).strip().lower()
+        try:
+            if s in ("none", "off", "false", ""):
+                return cls()
+            if s in ("all", "full", "true", "on"):
+                return cls("full")
+            if s == "selective":
+                return cls("selective")
+            if s.startswith("last:"):
+                k = int(s[5:])
+                return cls("full", -k) if k > 0 else cls()
+            if s.startswith("first:"):
+                k = int(s[6:])
+                return cls("full", 0, k) if k > 0 else cls()
+            if "-" in s:
+                a, b = (int(x) for x in s.split("-"))
+                if 0 <= a <= b:
+                    return cls("full", a, b + 1)
+        except ValueError:
+            pass
+        raise LabkitError(f"{where} = {value!r} is not understood", f"use {RECOMPUTE_FORMS}")
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "none"
+        if self.start == 0 and self.stop is None:
+            return "all" if self.mode == "full" else self.mode
+        if self.start < 0:
+            return f"last:{-self.start}"
+        return f"first:{self.stop}" if self.start == 0 else f"{self.start}-{self.stop - 1}"
+
+    def layers(self, num_layers: int, where: str = "train.recompute") -> list[int]:
+        """The indices of the recomputed decoder layers of a `num_layers`-layer model."""
+        if self.mode == "none":
+            return []
+        if self.start > 0 and self.stop is not None and self.stop > num_layers:
+            raise LabkitError(f"{where} = {str(self)!r} names layers outside the model's",
+                              f"use {RECOMPUTE_FORMS} with layers 0..{num_layers - 1}")
+        return list(range(num_layers))[self.start:self.stop]
+
+    def fraction(self, num_layers: int) -> float:
+        return len(self.layers(num_layers)) / num_layers
+
+    def planner_modes(self, num_layers: int) -> dict[str, float]:
+        """The planner's whole-model modes (RECOMPUTE) and the weight of each: the planner's memory and time of
+        this recomputation are its rows for these modes, weighted (activations are per layer)."""
+        frac = self.fraction(num_layers)
+        if self.mode != "full" or frac in (0.0, 1.0):
+            return {self.mode if frac else "none": 1.0}
+        return {"none": 1 - frac, "full": frac}
+
+    def stage_counts(self, num_layers: int, pp: int) -> list[int]:
+        """Layers recomputed per pipeline stage. mindformers' `recompute: [n, ...]` recomputes the FIRST n layers of
+        each stage (LayerSetting in 1.9.0); with equal layers per stage that stores the same activations as any
+        other n layers of the stage, so `last:16` becomes [16] with one stage."""
+        per = num_layers // pp
+        idx = self.layers(num_layers)
+        return [sum(1 for i in idx if s * per <= i < (s + 1) * per) for s in range(pp)]
+
+    def mindformers(self, num_layers: int | None = None, pp: int = 1) -> dict:
+        """mindformers' recompute_config keys `recompute` (true, or layers per stage when only some layers are)
+        and `select_recompute`. `num_layers` is needed only when some layers recompute and others do not."""
+        flags = {"recompute": self.mode == "full", "select_recompute": self.mode == "selective"}
+        if self.mode != "full" or (self.start == 0 and self.stop is None):
+            return flags
+        if num_layers is None:
+            raise LabkitError(f"recompute {str(self)!r} names some layers: mindformers counts them per pipeline stage",
+                              "give the model's num_layers")
+        frac = self.fraction(num_layers)
+        return {**flags, "recompute": frac == 1 if frac in (0.0, 1.0) else self.stage_counts(num_layers, pp)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is spread over devices: data, tensor (model) and pipeline parallel sizes, samples per
+    device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded over dp, and
+    sequence parallel (the norms' activations split over mp as well)."""
+
+    dp: int = 1
+    mp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    accum: int = 1  # micro-steps per optimizer step (pipeline micro-batches with pp > 1)
+    recompute: Recompute = Recompute()
+    optimizer_shard: bool = False
+    sequence_parallel: bool = False
+
+    KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")  # a planner row's layout
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.mp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.accum
+
+    @classmethod
+    def of(cls, row: dict, sequence_parallel: bool = False) -> Layout:
+        """The layout of a planner row (or any mapping with the KEYS)."""
+        return cls(**{k: row[k] for k in cls.KEYS if k != "recompute"},
+                   recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel)
+
+    def row(self) -> dict:
+        """The KEYS as a planner row holds them (recompute as text: the planner's mode when every layer does it)."""
+        rc = self.recompute
+        whole = rc.mode == "none" or (rc.start == 0 and rc.stop is None)
+        return {"dp": self.dp, "mp": self.mp, "pp": self.pp, "micro_batch": self.micro_batch, "accum": self.accum,
+                "recompute": rc.mode if whole else str(rc), "optimizer_shard": self.optimizer_shard}
