@@ -10,8 +10,6 @@ import re
 import sys
 import types
 
-
-
 # mindformers names its logger after its log folder ("mindformers/<checkout>/runs/logs/mindformers"), and its console
 # format prints that name on every line; the console here says "mindformers" and the level (the files keep theirs).
 CONSOLE_FORMAT = "%(asctime)s mindformers %(levelname)s [%(filename)s:%(lineno)d] %(message)s"

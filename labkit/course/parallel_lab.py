@@ -86,7 +86,7 @@ def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) ->
     folder = root / "memory"
     folder.mkdir(parents=True, exist_ok=True)
     for lay in layouts.MEMORY_LAYOUTS:
-        _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.dp * lay.tp * lay.pp, [lay.name],
+        _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.workers, [lay.name],
                 what=f"the activation-memory probe of {lay.name}", timeout=timeout, env=POOL_STATS_ENV)
     return folder
 

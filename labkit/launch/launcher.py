@@ -31,7 +31,6 @@ the launcher records every process of the job (pid + start time) and ends each o
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -39,11 +38,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labkit.runtime import process_env
 from labkit.training.metrics import read_metrics
 from labkit.training.fault import Fault, check_fault
-from labkit.launch.validate import (CLUSTER_ENV, LaunchSpec, PreparedLaunch, cluster_timeout, command, node_files,
-                                    prepare, python_on_path)
+from labkit.launch.workers import job_env
+from labkit.launch.validate import LaunchSpec, PreparedLaunch, cluster_timeout, command, node_files, prepare
 from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor,
                                       interrupt_flag, log_tail, start_guard, summary_from_log, supervise)
 
@@ -171,14 +169,6 @@ def write_files(pl: PreparedLaunch, overwrite: bool, fault: Fault | None = None)
     atomic_write_text(config_file, dump_run_config(pl.cfg))
     return LaunchFiles(output=out, logs=logs, config_file=config_file, metrics=out / "metrics.jsonl",
                        command=tuple(command(pl, config_file, logs) + fault_args(fault)))
-
-
-def job_env(logs: Path, device_target: str) -> dict:
-    """The workers' environment: no inherited cluster variables, the process settings of the run's device target
-    (labkit.runtime; what the caller set wins), the caller's python first on PATH."""
-    env = {**process_env(device_target), **{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}}
-    env.setdefault("MS_OM_PATH", str(logs))  # a failed graph compile writes rank_N/om/analyze_fail.ir here, not ./
-    return python_on_path(env, logs / ".bin")
 
 
 def start(pl: PreparedLaunch, files: LaunchFiles, timeout: float | None, fault: Fault | None = None):

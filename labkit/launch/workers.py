@@ -15,6 +15,7 @@ from labkit.errors import LabkitError, LabkitFailure
 from labkit.launch.supervisor import FINISHED, Supervisor, log_tail, supervise
 from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
 from labkit.parallel.msrun import Cluster, msrun_args, msrun_head
+from labkit.runtime import process_env
 
 
 @dataclass
@@ -23,6 +24,14 @@ class WorkersRun:
     log_dir: Path
     seconds: float
     pids: list
+
+
+def job_env(logs: Path, device_target: str) -> dict:
+    """The workers' environment: no inherited cluster variables, the process settings of the run's device target
+    (labkit.runtime; what the caller set wins), the caller's python first on PATH."""
+    env = {**process_env(device_target), **{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}}
+    env.setdefault("MS_OM_PATH", str(logs))  # a failed graph compile writes rank_N/om/analyze_fail.ir here, not ./
+    return python_on_path(env, logs / ".bin")
 
 
 def run_workers(task: list[str], workers: int, cwd: Path, *, what: str, timeout: float = 300,
@@ -36,9 +45,7 @@ def run_workers(task: list[str], workers: int, cwd: Path, *, what: str, timeout:
         raise LabkitError(f"msrun not found next to {sys.executable}", "install MindSpore into this environment")
     logs = Path(cwd) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = python_on_path({**{k: v for k, v in os.environ.items() if k not in CLUSTER_ENV}, **(env or {})},
-                         logs / ".bin")
-    env["GLOG_v"] = "3"
+    env = {**job_env(logs, "CPU"), **(env or {}), "GLOG_v": "3"}
     cmd = msrun_args(Cluster(workers, workers, master_port=free_port()), log_dir=logs, head=msrun_head()) + list(task)
     t0 = time.time()
     with open(logs / "msrun.log", "w", encoding="utf-8") as sink:

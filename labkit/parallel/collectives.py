@@ -163,13 +163,13 @@ def cells(group: Group) -> dict:
         "copy_in": differentiable(lambda x: x, lambda d: group.all_reduce(d, "tp_all_reduce_bwd")),
         "reduce_out": differentiable(lambda x: group.all_reduce(x, "tp_all_reduce_fwd"), lambda d: d),
         "gather_seq": differentiable(lambda x: group.all_gather(x, SEQ, "sp_all_gather_fwd"),
-                                lambda d: group.reduce_scatter(d, SEQ, "sp_reduce_scatter_bwd")),
+                                     lambda d: group.reduce_scatter(d, SEQ, "sp_reduce_scatter_bwd")),
         "scatter_seq": differentiable(lambda x: group.reduce_scatter(x, SEQ, "sp_reduce_scatter_fwd"),
-                                 lambda d: group.all_gather(d, SEQ, "sp_all_gather_bwd")),
+                                      lambda d: group.all_gather(d, SEQ, "sp_all_gather_bwd")),
         "split_seq": differentiable(lambda x: chunk(x, SEQ, group.size, group.index),
-                               lambda d: group.all_gather(d, SEQ, "sp_split_bwd")),
+                                    lambda d: group.all_gather(d, SEQ, "sp_split_bwd")),
         "unsplit_seq": differentiable(lambda x: group.all_gather(x, SEQ, "sp_unsplit_fwd"),
-                                 lambda d: chunk(d, SEQ, group.size, group.index)),
+                                      lambda d: chunk(d, SEQ, group.size, group.index)),
     }
 
 
