@@ -136,3 +136,5 @@ def test_every_notebook_and_the_course_map_state_its_reading_time():
         assert stated and int(stated[1]) == expected, f"{path.name}: header says {stated and stated[1]}, estimate {expected}"
         row = re.search(rf"\| `{path.stem}` \|.*\| ~(\d+) min \|", course_map)
         assert row and int(row[1]) == expected, f"README course map: {path.stem} {row and row[1]}, estimate {expected}"
+    rows = re.findall(r"^\| `(\d\d[a-z]?_\w+)` \|", course_map, flags=re.M)
+    assert rows == [p.stem for p in runner.course_notebooks()], "the course map lists exactly the notebooks, in order"
