@@ -5,12 +5,13 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from labkit.course import nb as nb_module
 from labkit.course.runner import course_notebooks
-from labkit.course.student import CHECK_TAG, SOLUTION_TAG, student_notebook, tags
+from labkit.course.student import CHECK_TAG, LINK, SOLUTION_TAG, student_notebook, tags
 from labkit.errors import LabkitError
 from labkit.paths import NOTEBOOKS
 
@@ -54,14 +55,37 @@ def test_refuses_to_write_over_the_course(tmp_path):
         write_student_copies(NOTEBOOKS)
 
 
+def links_outside(folder: Path) -> list[str]:
+    """Relative links of the notebooks and documents under `folder` whose target is not a file under `folder`."""
+    broken = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix == ".ipynb":
+            texts = ["".join(c["source"]) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
+                     if c["cell_type"] == "markdown"]
+        elif path.suffix == ".md":
+            texts = [path.read_text(encoding="utf-8")]
+        else:
+            continue
+        for m in (m for t in texts for m in LINK.finditer(t) if "://" not in m[1]):
+            target = (path.parent / m[1]).resolve()
+            if not (target.is_file() and target.is_relative_to(folder.resolve())):
+                broken.append(f"{path.relative_to(folder)}: {m[1]}")
+    return broken
+
+
 def test_student_copies_of_the_course(tmp_path, monkeypatch):
-    out = tmp_path / "student"
+    out = tmp_path / "any" / "depth" / "student"  # copies work from any folder, not only two levels under the lab
     r = subprocess.run([sys.executable, "-m", "labkit", "student", "--output", str(out), "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     originals = sorted(course_notebooks())
     assert sorted(report["notebooks"]) == [p.name for p in originals]
+    # the course's own links leave notebooks/ (the README's course map, a test file); in the copies each still opens
+    assert any("](../README.md" in "".join(c["source"]) for p in originals
+               for c in json.loads(p.read_text(encoding="utf-8"))["cells"])
+    assert "lab/README.md" in report["documents"]
+    assert links_outside(out) == []
     monkeypatch.delenv(nb_module.STRICT_EXERCISES_ENV, raising=False)
     for original in originals:
         book = json.loads(original.read_text(encoding="utf-8"))
