@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.io import disk_error
 
 JSON_HELP = "print one JSON object on stdout"
 
@@ -57,8 +59,6 @@ def emit(args, payload: dict, text: str | None = None) -> None:
 
 def run_error(args, e, want_json: bool) -> int:
     """Print a LabkitError as `labkit <command>: error: ...` and its fix; the exit status (2, or 1 for failures)."""
-    from labkit.errors import LabkitFailure
-
     print(f"labkit {args.command}: error: {e.what}", file=sys.stderr)
     if e.fix:
         print(f"  fix: {e.fix}", file=sys.stderr)
@@ -70,8 +70,6 @@ def run_error(args, e, want_json: bool) -> int:
 def run(args) -> int:
     """Call a parsed command's handler: a LabkitError becomes `labkit <command>: error: ...` and its fix on stderr
     (exit 2, or 1 for a LabkitFailure), never a traceback; with --json the answer is one JSON object either way."""
-    from labkit.errors import LabkitError
-
     want_json = getattr(args, "json", False)
     with (stdout_to_stderr() if want_json else contextlib.nullcontext(sys.stdout)) as out:
         args._json_out = out
@@ -83,8 +81,6 @@ def run(args) -> int:
             return 0
         except OSError as e:  # a full disk or a read-only folder met outside labkit.io: still one clear line
             import errno
-
-            from labkit.io import disk_error
 
             better = disk_error(e, getattr(e, "filename", None) or "the output")
             if better is None or e.errno not in (errno.ENOSPC, errno.EROFS):  # EACCES may come from a read

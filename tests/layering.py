@@ -15,7 +15,9 @@ Layers, bottom to top; a module imports only from its own layer or below, and th
     entry      cli  __main__  launch/__main__   (dispatch only)
 
 Also: only entry points import the CLI; no private name (`_x`) is taken from another module; no import cycle;
-the trainer does not use the planner; the data layer neither builds nor trains a model."""
+the trainer does not use the planner; the data layer neither builds nor trains a model; a module imports the
+package's own modules at its top, where a reader sees its dependencies (inside a function only with a comment on the
+line saying why; MindSpore, mindformers and torch stay lazy for start-up time)."""
 from __future__ import annotations
 
 import ast
@@ -116,9 +118,28 @@ def violations(pkg: Path) -> list[str]:
             for a, b, why in FORBIDDEN:
                 if (mod == a or mod.startswith(a + ".")) and (target == b or target.startswith(b + ".")):
                     bad.append(f"{where}: {mod} imports {target}: {why}")
-        bad += private_attributes(f, mod, known, pkg.name)
+        bad += private_attributes(f, mod, known, pkg.name) + hidden_imports(f, mod, pkg.name)
     bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
+
+
+def hidden_imports(f: Path, mod: str, pkg_name: str) -> list[str]:
+    """The package's own modules imported inside a function without a comment on the line saying why."""
+    text = f.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    found = []
+    for fn in ast.walk(ast.parse(text)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.level:
+                names = [pkg_name]
+            if any(n == pkg_name or n.startswith(pkg_name + ".") for n in names) and "#" not in lines[node.lineno - 1]:
+                found.append(f"{f.name}:{node.lineno}: {mod} imports its own package inside {fn.name}(); "
+                             "move it to the top (or say why on the line)")
+    return found
 
 
 def private_attributes(f: Path, mod: str, known: set[str], pkg_name: str) -> list[str]:

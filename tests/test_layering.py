@@ -33,7 +33,7 @@ def test_the_check_catches_a_broken_package(tmp_path):
                            "from labkit.model import llama\n",
         "parallel/planner.py": "from labkit.training.trainer import _rewrite\n",
         "training/trainer.py": "from labkit.parallel import planner\ndef _rewrite(): ...\n",
-        "model/__init__.py": "", "model/llama.py": "",
+        "model/__init__.py": "", "model/llama.py": "def build():\n    from labkit.errors import LabkitError\n",
     }
     for name, text in files.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +46,7 @@ def test_the_check_catches_a_broken_package(tmp_path):
     assert "data.dataset imports model.llama: the data layer does not build a model" in found
     assert "private name training.trainer._rewrite" in found
     assert "training.trainer imports parallel.planner: the trainer does not depend on the planner" in found
+    assert "model.llama imports its own package inside build()" in found
 
 
 def _ruff(rule: str) -> subprocess.CompletedProcess:

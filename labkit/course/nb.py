@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from labkit.course.runner import FIGURES_ENV, STRICT_EXERCISES_ENV
+from labkit.io import atomic_write_text
 from labkit.paths import RUNS
 from labkit.runtime import prepare_process
 
@@ -221,6 +222,5 @@ def record(name: str, value) -> None:
     p = Path(path)
     data = json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
     data[name] = value
-    from labkit.io import atomic_write_text
 
     atomic_write_text(p, json.dumps(data, ensure_ascii=False, default=str))

@@ -23,8 +23,8 @@ import numpy as np
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
-from labkit.parallel.memory import Numerics, layer_activations, loss_activations
 from labkit.model import scratch
+from labkit.parallel.memory import MOMENT_BYTES, Numerics, layer_activations, loss_activations, stage_params
 from labkit.paths import ROOT, RUNS
 from labkit.training import layouts
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
@@ -225,8 +225,6 @@ def compare(root: Path | None = None) -> dict:
 
 def planner_lines(lay: dict, stage: str | None = None) -> dict:
     """The planner's bytes per worker (float32 weights, gradients and AdamW moments) for a layout, per stage."""
-    from labkit.parallel.memory import MOMENT_BYTES, stage_params
-
     cfg = layouts.model_cfg()
     stages = stage_params(cfg, lay["tp"], lay["pp"])
     params = stages[stage or ("only" if lay["pp"] == 1 else "first")]["params"]

@@ -15,9 +15,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from labkit.config import read_yaml
 from labkit.errors import LabkitError
-from labkit.paths import NOTEBOOKS, RUNS
 from labkit.io import atomic_write_text
+from labkit.output import add_common_flags, emit
+from labkit.paths import NOTEBOOKS, RUNS
 
 FIGURES_ENV = "LABKIT_FIGURES_FILE"
 STRICT_EXERCISES_ENV = "LABKIT_STRICT_EXERCISES"  # 1: an exercise check that says "not yet" fails
@@ -90,7 +92,6 @@ def course_notebooks(only: list[str] | None = None) -> list[Path]:
 def read_params(path: str | None) -> dict:
     if not path:
         return {}
-    from labkit.config import read_yaml
 
     params = read_yaml(path)
     nested = [k for k, v in params.items() if isinstance(v, dict)]
@@ -180,8 +181,6 @@ def write_summary(out_dir: Path, results: list[NotebookResult], params: dict) ->
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     parser.add_argument("--params", help="YAML file: a flat mapping of notebook parameters (applied where declared)")
     parser.add_argument("--only", nargs="+", metavar="NN", help="run only these notebooks (e.g. --only 00 04)")
     parser.add_argument("--output", help="run folder (default: runs/run-<timestamp>)")
@@ -191,8 +190,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     params = read_params(args.params)
     out_dir, results = run_notebooks(params, args.only, args.output, args.keep_going,
                                      log=lambda m: print(m, file=sys.stderr))

@@ -17,9 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from labkit.course.runner import cell_text, course_notebooks
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
-from labkit.course.runner import cell_text, course_notebooks
+from labkit.output import add_common_flags, emit
 from labkit.paths import NOTEBOOKS, ROOT
 
 SOLUTION_TAG = "solution"
@@ -119,8 +120,6 @@ def write_student_copies(output: str | Path, overwrite: bool = False) -> dict:
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     parser.add_argument("--output", required=True, help="folder for the student copies (made fresh)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output folder")
     add_common_flags(parser, "print one JSON object")
@@ -128,8 +127,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     report = write_student_copies(args.output, args.overwrite)
     lines = [f"{name}: {v['solutions_emptied']} solution(s) emptied, {v['checks']} check cell(s) kept"
              for name, v in report["notebooks"].items()]

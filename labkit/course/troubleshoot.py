@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from functools import partial
 
-from labkit.config import load_run_config
+from labkit.config import load_run_config, model_preset
+from labkit.errors import LabkitFailure
 from labkit.layout import Layout
+from labkit.logs import quiet_mindformers
+from labkit.model.llama import build_model
 from labkit.parallel.memory import Numerics, memory_breakdown
 from labkit.runtime import prepare_process, process_env
+from labkit.training.metrics import POOL_STATS_ENV, pool_peaks_mb
 from labkit.training.monitor import train_capped
 from labkit.training.oom import planner_need_mb
 
@@ -64,9 +68,6 @@ def seq_memory(seqs=(64, 128, 256), micro_batch: int = 8, preset: str = "tiny", 
     import subprocess
     import sys
 
-    from labkit.config import model_preset
-    from labkit.errors import LabkitFailure
-    from labkit.training.metrics import POOL_STATS_ENV
 
     spec = {"seqs": list(seqs), "micro_batch": micro_batch, "preset": preset, "steps": steps}
     env = {**process_env("CPU"), **os.environ, **POOL_STATS_ENV}
@@ -86,12 +87,10 @@ def _seq_memory_main(spec: dict) -> None:
     import tempfile
     from pathlib import Path
 
-    from labkit.logs import quiet_mindformers
-    from labkit.training.metrics import pool_peaks_mb
 
     quiet_mindformers()  # before mindformers' import: without torch, HF datasets and nltk
-    import mindspore  # noqa: F401 - imported once here, inherited by every forked child
     import mindformers  # noqa: F401
+    import mindspore  # noqa: F401 - imported once here, inherited by every forked child
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="labkit_seq_memory_"))  # no context manager: a forked child
     for seq in spec["seqs"]:  # leaves through SystemExit and must not remove the folder its parent still reads
         log = tmp / f"seq{seq}.log"
@@ -121,11 +120,9 @@ def _fork_steps(spec: dict, seq: int, log) -> int:
 
 
 def _train_steps(preset: str, seq: int, micro_batch: int, steps: int) -> None:
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
-    from labkit.config import model_preset
-    from labkit.model.llama import build_model
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     cfg = model_preset(preset)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import html
 
+from labkit.course.nb import headless
+from labkit.course.pretrain.params import DEFAULTS, PARAMS, PRESETS
+from labkit.course.pretrain.runspec import resolve
 from labkit.errors import LabkitError
 
 FIELDS = ("preset", "device_target", "devices", "nodes", "device_memory_gib", "dp", "mp", "pp", "optimizer_shard",
@@ -57,7 +60,6 @@ class ParameterForm:
     def __init__(self, namespace: dict):
         import ipywidgets as W
 
-        from labkit.course.pretrain.params import DEFAULTS, PARAMS, PRESETS
 
         self.namespace = namespace
         self.values = {k: namespace.get(k, DEFAULTS[k]) for k in PARAMS}  # the copy the form edits
@@ -96,8 +98,6 @@ class ParameterForm:
         return out
 
     def check(self, check_files: bool = False):
-        from labkit.course.pretrain.runspec import resolve
-
         values = self.read()
         return values, resolve(values, check_files=check_files)
 
@@ -130,8 +130,6 @@ class ParameterForm:
 
 def parameter_form(namespace: dict, enabled: bool = False):
     """Show the form when `enabled` and a front end can use it; otherwise say why not and return None."""
-    from labkit.course.nb import headless
-
     if not enabled or headless():
         print("widget form off (interactive = False, or papermill/nbval/CI): the parameters cell rules")
         return None

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+
 import numpy as np
+
 from labkit.config import DataConfig
-from labkit.errors import LabkitError
-from labkit.paths import lab_path
+from labkit.data.corpus import read_documents
 from labkit.data.dataset import display_path, ensure_dataset, load_fast_tokenizer, read_stats
 from labkit.data.loader import make_loader
+from labkit.data.tokenizer import SHIPPED_TOKENIZER
+from labkit.errors import LabkitError
+from labkit.logs import quiet_mindformers
+from labkit.paths import lab_path
 
 
 class _Docs:
@@ -70,9 +75,6 @@ def run_bench(corpus=None, tokenizer_dir=None, seq_len: int = 128, workers=(1, 2
     """Both pipelines at every worker count (MindRecord also at every prefetch), in one run, with the ratio."""
     import platform
 
-    from labkit.data.corpus import read_documents
-    from labkit.logs import quiet_mindformers
-    from labkit.data.tokenizer import SHIPPED_TOKENIZER
 
     quiet_mindformers()
     tokenizer_dir = tokenizer_dir or SHIPPED_TOKENIZER

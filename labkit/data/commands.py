@@ -1,14 +1,13 @@
 """`labkit data build` and `labkit data bench`."""
 from __future__ import annotations
 
-from labkit.data.bench import format_table, run_bench
 from labkit.config import DataConfig
+from labkit.data.bench import format_table, run_bench
 from labkit.data.dataset import build_dataset, format_build
+from labkit.output import add_common_flags, emit
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     b = sub.add_parser("build", help="tokenise a corpus offline and pack it into a MindRecord dataset")
     b.add_argument("--corpus", nargs="+", required=True, help=".txt/.jsonl files (or .gz) or directories")
@@ -38,8 +37,6 @@ def add_cli(parser) -> None:
 
 
 def _cli_build(args) -> int:
-    from labkit.output import emit
-
     r = build_dataset(DataConfig(corpus=args.corpus, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                  val_fraction=args.val_fraction, val_seed=args.val_seed),
                       args.output, workers=args.workers, text_field=args.text_field,
@@ -49,8 +46,6 @@ def _cli_build(args) -> int:
 
 
 def _cli_bench(args) -> int:
-    from labkit.output import emit
-
     r = run_bench(corpus=args.corpus, tokenizer_dir=args.tokenizer, seq_len=args.seq_len, workers=args.workers,
                   prefetch=args.prefetch, max_docs=args.max_docs)
     emit(args, r, format_table(r))

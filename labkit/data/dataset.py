@@ -31,10 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from labkit.config import DataConfig
-from labkit.errors import LabkitError, LabkitFailure
-from labkit.paths import RUNS, ROOT, lab_path
-from labkit.io import atomic_dir
+from labkit.data.corpus import ReadReport, fingerprint, read_documents
 from labkit.data.quality import check_quality
+from labkit.data.tokenizer import SHIPPED_TOKENIZER, load
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.io import atomic_dir
+from labkit.paths import ROOT, RUNS, lab_path
 
 FORMAT = "labkit-dataset/1"
 RECORD = "data.mindrecord"
@@ -81,7 +83,6 @@ _WORKER_TOK = None
 def load_fast_tokenizer(tokenizer_dir):
     from transformers.utils import logging as hf_logging
 
-    from labkit.data.tokenizer import load
 
     hf_logging.set_verbosity_error()
     return load(tokenizer_dir, "hf")
@@ -237,8 +238,6 @@ def build_dataset(data: DataConfig, output_dir, *, workers: int = 1, text_field:
     data.seq_len + 1 tokens, write a MindRecord dataset; return the stats. With data.val_fraction > 0, a share of
     whole documents (seeded by data.val_seed) is packed separately into `<output>/val/` (its own MindRecord and
     stats.json); the training samples then come from the other documents only."""
-    from labkit.data.corpus import ReadReport, fingerprint, read_documents
-
     corpus, tokenizer_dir, seq_len = data.corpus, data.tokenizer, data.seq_len
     val_fraction, val_seed = data.val_fraction, data.val_seed
 
@@ -343,9 +342,6 @@ def ensure_dataset(seq_len: int, corpus=None, tokenizer_dir=None, *, text_field:
     first data-parallel run, notebooks started together): one builds while the others wait on a lock file beside it
     (`.lock-<hash>`, left in place) and then use its result. The build goes into a temporary directory renamed at
     the end, so a killed build leaves nothing a later call would read."""
-    from labkit.data.corpus import fingerprint
-    from labkit.data.tokenizer import SHIPPED_TOKENIZER
-
     tokenizer_dir = lab_path(tokenizer_dir) if tokenizer_dir else SHIPPED_TOKENIZER
     # a validation split is part of the key; without one the key (and the cached set) is what it always was
     split = f"\0val{val_fraction!r}\0{val_seed}" if val_fraction else ""

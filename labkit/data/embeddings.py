@@ -14,6 +14,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir
+from labkit.logs import quiet_mindformers
 from labkit.paths import lab_path
 
 EMBED = "model.tok_embeddings.embedding_weight"
@@ -96,8 +97,6 @@ def resize_embeddings(model_dir, vocab_size: int, output, *, allow_shrink: bool 
                       overwrite: bool = False) -> dict:
     """Give a converted checkpoint directory `vocab_size` embedding rows (and untied output rows); see the module
     docstring for how new rows start."""
-    from labkit.logs import quiet_mindformers
-
     src = lab_path(model_dir)
     cfg, old, tied = _read_source(src, vocab_size, allow_shrink)
     quiet_mindformers()

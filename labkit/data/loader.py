@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+
 import numpy as np
+
 from labkit.config import DataConfig
-from labkit.errors import LabkitError
-from labkit.paths import lab_path
 from labkit.data.dataset import RECORD, read_stats
+from labkit.errors import LabkitError
+from labkit.logs import quiet_mindformers
+from labkit.paths import lab_path
 
 
 def epoch_order(n_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -64,8 +67,6 @@ def make_loader(dataset_dir, micro_batch: int, *, seed: int, dp_size: int = 1, d
     record = str(lab_path(dataset_dir) / RECORD)
 
     def batches():
-        from labkit.logs import quiet_mindformers
-
         quiet_mindformers()
         import mindspore.dataset as ds
 

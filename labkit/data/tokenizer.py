@@ -28,11 +28,14 @@ import shutil
 import time
 from pathlib import Path
 
+from labkit.data.corpus import ReadReport, fingerprint, read_documents
 from labkit.data.embeddings import EMBED, HEAD, resize_embeddings  # noqa: F401  (vocabulary growth lives there)
+from labkit.data.tokenizer_files import check_loadable
 from labkit.errors import LabkitError
-from labkit.paths import DATA, ROOT, lab_path
 from labkit.io import atomic_dir
-from labkit.logs import quiet_mindformers_console
+from labkit.logs import quiet_mindformers, quiet_mindformers_console
+from labkit.output import add_common_flags, emit
+from labkit.paths import DATA, ROOT, lab_path
 
 SHIPPED_TOKENIZER = DATA / "tokenizer"
 IMPLS = ("hf", "hf-slow", "mindformers")
@@ -124,7 +127,6 @@ def train(corpus, vocab_size: int, output, *, text_field: str = "text", split_on
     """Train a Llama-style SentencePiece BPE tokenizer on `corpus` and write an HF tokenizer directory."""
     import sentencepiece as spm
 
-    from labkit.data.corpus import ReadReport, fingerprint, read_documents
 
     if vocab_size < 300:
         raise LabkitError(f"--vocab-size {vocab_size} is too small",
@@ -205,8 +207,6 @@ def verify_files(directory) -> dict:
 def check_files(path, impl: str = "hf") -> Path:
     """The tokenizer directory, after checking from its files alone (no library imported, so it answers at once)
     that `impl` can read it; LabkitError naming the directory, the file and the fix otherwise."""
-    from labkit.data.tokenizer_files import check_loadable
-
     if impl not in IMPLS:
         raise LabkitError(f"unknown tokenizer implementation '{impl}'", f"use one of {', '.join(IMPLS)}")
     d = lab_path(path)
@@ -237,8 +237,6 @@ def load(path, impl: str = "hf"):
 
 def _load_checked(d: Path, impl: str):
     if impl == "mindformers":
-        from labkit.logs import quiet_mindformers
-
         quiet_mindformers()
         import mindformers  # noqa: F401  (creates its logger; keep its console quiet)
 
@@ -350,8 +348,6 @@ def format_compare(r: dict) -> str:
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     t = sub.add_parser("train", help="train a Llama-style SentencePiece BPE tokenizer (HF directory)")
     t.add_argument("--corpus", nargs="+", required=True, help=".txt/.jsonl files (or .gz) or directories")
@@ -389,8 +385,6 @@ def add_cli(parser) -> None:
 
 
 def _cli_train(args) -> int:
-    from labkit.output import emit
-
     r = train(args.corpus, args.vocab_size, args.output, text_field=args.text_field,
               split_on_blank_lines=args.split_on_blank_lines, character_coverage=args.character_coverage,
               normalization=args.normalization, overwrite=args.overwrite)
@@ -401,16 +395,12 @@ def _cli_train(args) -> int:
 
 
 def _cli_compare(args) -> int:
-    from labkit.output import emit
-
     r = compare(args.a, args.b, args.texts, a_impl=args.a_impl, b_impl=args.b_impl, max_examples=args.max_examples)
     emit(args, r, format_compare(r))
     return 0 if r["aligned"] else 1
 
 
 def _cli_resize(args) -> int:
-    from labkit.output import emit
-
     r = resize_embeddings(args.model, args.vocab_size, args.output, allow_shrink=args.allow_shrink,
                           overwrite=args.overwrite)
     emit(args, r, f"wrote {r['output']}: vocab {r['old_vocab_size']} -> {r['new_vocab_size']} "

@@ -20,13 +20,20 @@ from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
+from labkit.doctor.judge import INSTALL_FIX, PACKAGES, TARGETS, assess  # noqa: F401 - assess: part of this module's API
+from labkit.doctor.registries import (
+    check_model_dirs,
+    hf_registry,
+    issue,
+    mf_registry,
+    read_model_dir,
+    shadowed_registrations,
+)
+from labkit.errors import LabkitError
+from labkit.output import add_common_flags, emit
+from labkit.parallel.devices import cpu_matrix_isa
 from labkit.paths import CONFIGS, GPU_DEVICE_FILES, NPU_DEVICE_FILES, ROOT, RUNS
 from labkit.runtime import import_order_warning
-from labkit.parallel.devices import cpu_matrix_isa
-from labkit.doctor.registries import check_model_dirs, hf_registry, mf_registry, read_model_dir, shadowed_registrations
-from labkit.doctor.registries import issue
-
-from labkit.doctor.judge import INSTALL_FIX, PACKAGES, TARGETS, assess  # noqa: F401 - assess: part of this module's API
 
 SEED_CACHE = Path("~/.cache/mindspore/transformers")  # the cache directory a seed article blames (never used)
 
@@ -48,7 +55,6 @@ def installed_versions() -> dict:
 def load_compat(path: str | os.PathLike = CONFIGS / "compat.yaml") -> dict:
     import yaml
 
-    from labkit.errors import LabkitError
 
     if not Path(path).is_file():
         raise LabkitError(f"the compatibility table {path} is missing", "run from a checkout of the lab (git clone)")
@@ -392,8 +398,6 @@ def run_python(code: str, *, home: str | os.PathLike | None = None, timeout: flo
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     parser.add_argument("--model-dir", dest="model_dirs", action="extend", nargs="+", default=[], metavar="PATH",
                         help="a Hugging Face model directory to check (config.json model_type/architectures)")
     add_common_flags(parser)
@@ -401,8 +405,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     report = doctor(args.model_dirs)
     emit(args, report, format_report(report))
     return 0 if not report["problems"] else 1

@@ -7,10 +7,14 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from labkit.logs import quiet_mindformers
+from labkit.output import stdout_to_stderr
+
 
 def hf_registry() -> dict:
     """HF transformers' AutoConfig names: model_type -> config class, plus names registered at run time."""
-    from transformers.models.auto import configuration_auto as ca, modeling_auto as ma
+    from transformers.models.auto import configuration_auto as ca
+    from transformers.models.auto import modeling_auto as ma
 
     native = dict(ca.CONFIG_MAPPING_NAMES)
     arch_configs: dict[str, set] = {}
@@ -27,10 +31,7 @@ def hf_registry() -> dict:
 
 def mf_registry() -> dict:
     """mindformers' names: its AutoConfig model types and the classes in MindFormerRegister."""
-    from labkit.logs import quiet_mindformers
-
     quiet_mindformers()
-    from labkit.output import stdout_to_stderr
 
     with stdout_to_stderr():  # mindformers prints import warnings on stdout
         from mindformers.models.auto import configuration_auto as mca

@@ -9,11 +9,11 @@ import os
 import sys
 
 from labkit.runtime import prepare_process
+from labkit.training.trainer import add_cli, device_target_of
 
 
 def task(argv: list[str]) -> int:
     from labkit.output import run  # here, not at the top: the guard process imports this module and needs neither
-    from labkit.training.trainer import add_cli, device_target_of
 
     parser = argparse.ArgumentParser(prog="labkit train")
     add_cli(parser)

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from labkit.errors import LabkitError
+from labkit.training import checkpoint
 from labkit.training.metrics import read_metrics
 from labkit.training.metrics import steady_throughput as metrics_steady_throughput
 
 
 def _run_and_checkpoint(path) -> tuple[Path, Path | None]:
     """(run folder, checkpoint): a run folder gives its newest checkpoint; a checkpoint folder gives itself."""
-    from labkit.training import checkpoint
-
     path = Path(path)
     if (path / "state.json").is_file():
         return path.parent.parent, path
@@ -22,7 +22,6 @@ def compare_runs(run_a, run_b) -> dict:
     checkpoints) or checkpoint folders (<run>/checkpoints/step_N)."""
     import numpy as np
 
-    from labkit.training import checkpoint
 
     (run_a, ca), (run_b, cb) = _run_and_checkpoint(run_a), _run_and_checkpoint(run_b)
     ma, mb = (read_metrics(r) for r in (run_a, run_b))

@@ -38,12 +38,29 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labkit.training.metrics import read_metrics
-from labkit.training.fault import Fault, check_fault
-from labkit.launch.workers import job_env
+from labkit.config import dump_run_config
+from labkit.io import OutputLock, atomic_write_text
+from labkit.launch.supervisor import (
+    CLUSTER_NOT_GATHERED,
+    FINISHED,
+    TIMEOUT,
+    Job,
+    Outcome,
+    Supervisor,
+    interrupt_flag,
+    log_tail,
+    start_guard,
+    summary_from_log,
+    supervise,
+)
 from labkit.launch.validate import LaunchSpec, PreparedLaunch, cluster_timeout, command, node_files, prepare
-from labkit.launch.supervisor import (CLUSTER_NOT_GATHERED, FINISHED, TIMEOUT, Job, Outcome, Supervisor,
-                                      interrupt_flag, log_tail, start_guard, summary_from_log, supervise)
+from labkit.launch.workers import job_env
+from labkit.output import add_common_flags, emit
+from labkit.training import checkpoint
+from labkit.training.fault import Fault, check_fault
+from labkit.training.metrics import read_metrics, rewrite_metrics
+from labkit.training.oom import memory_knobs
+from labkit.training.trainer import add_train_flags
 
 
 @dataclass
@@ -113,8 +130,6 @@ def launch(spec: LaunchSpec = LaunchSpec(), *, progress: bool = True, timeout: f
     (injected inside the worker, so where the run stops never depends on how fast this launcher looks).
     `timeout` (seconds) ends the job as failed when it runs longer. Every process is ended before returning,
     also on KeyboardInterrupt (which is then re-raised)."""
-    from labkit.io import OutputLock
-
     log = log or (lambda m: print(m, file=sys.stderr))
     pl = prepare(spec)
     fault = check_fault(kill_rank, kill_after_step, pl.total, pl.start_step, pl.cfg.train.steps)
@@ -152,16 +167,11 @@ def launch(spec: LaunchSpec = LaunchSpec(), *, progress: bool = True, timeout: f
 
 def write_files(pl: PreparedLaunch, overwrite: bool, fault: Fault | None = None) -> LaunchFiles:
     """Node 0 clears an overwritten run and trims a resumed run's metrics; every node writes its own config."""
-    from labkit.config import dump_run_config
-    from labkit.io import atomic_write_text
-
     out = Path(pl.output)
     config_file, logs = node_files(pl)
     if pl.node_rank == 0 and not pl.resume and overwrite:
         _clear_run(out)
     if pl.node_rank == 0 and pl.resume:  # what `labkit train --resume` does first; progress then starts there
-        from labkit.training.metrics import rewrite_metrics
-
         rewrite_metrics(out, [r for r in read_metrics(out) if r.get("step", 0) <= pl.start_step])
     logs.mkdir(parents=True, exist_ok=True)
     for old in [logs / "scheduler.log", *logs.glob("worker_*.log")]:  # msrun overwrites them once it starts its
@@ -218,8 +228,6 @@ class Watch:
 
 def report(pl: PreparedLaunch, files: LaunchFiles, sup: Supervisor, outcome: Outcome, steps_seen: int) -> LaunchResult:
     """The LaunchResult of an ended job: figures, newest checkpoint, and on failure who, why and the log tail."""
-    from labkit.training import checkpoint
-
     logs = files.logs
     result = LaunchResult(ok=False, returncode=1, workers=pl.total, output=str(files.output),
                           metrics=str(files.metrics), logs=str(logs), master_port=pl.master_port,
@@ -257,8 +265,6 @@ def failure_reason(pl: PreparedLaunch, sup: Supervisor, outcome: Outcome, steps_
     ran out of memory (its memory cgroup counted an OOM kill since the rank started, the kernel log names its pid,
     or its log ends in an allocator's failure) is named so, with its limit, and a second line gives the knobs to
     turn with the planner's figures; any other SIGKILL the launcher did not send says what was checked."""
-    from labkit.training.oom import memory_knobs
-
     code, rank = outcome.code or 1, outcome.rank
     how = f"exited with code {code}"
     if code < 0:
@@ -314,9 +320,6 @@ def _bar(pl: PreparedLaunch, enabled: bool):
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-    from labkit.training.trainer import add_train_flags
-
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this node (default 2)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes in the job; run the same command on each")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's number, 0..nodes-1")
@@ -331,8 +334,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     spec = LaunchSpec(args.config, args.workers, args.set, output=args.output, nodes=args.nodes,
                       node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                       resume=args.resume, overwrite=args.overwrite, steps=args.steps, micro_batch=args.micro_batch,

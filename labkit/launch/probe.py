@@ -7,12 +7,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from labkit.config import ModelConfig, ParallelConfig, model_preset
 from labkit.errors import LabkitError, LabkitFailure
-from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
+from labkit.io import atomic_write_text
 from labkit.launch.supervisor import POLL_S, Supervisor, log_tail
-from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
+from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
 from labkit.model.shapes import grad_shapes
+from labkit.parallel import context as parallel
 from labkit.parallel.collectives import io_bytes
+from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
+from labkit.paths import RUNS
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,6 @@ def measure_allreduce(model="tiny", workers: int = 2, timings: AllreduceTimings 
     where the socket traffic of a CPU all-reduce shows. The reducer casts every gradient to float32 before its
     AllReduce (MindSpore's grad_reducer.py); each of `raw_sizes` is timed as a bare `ops.AllReduce` (sum) in each
     dtype (`by_dtype[d]["raw_sizes"]`), which sends the dtype as it is."""
-    from labkit.config import ModelConfig, model_preset
-    from labkit.paths import RUNS
-
     if workers < 2:
         raise LabkitError("measure_allreduce needs at least 2 workers")
     mcfg = model if isinstance(model, ModelConfig) else model_preset(model)
@@ -128,8 +130,6 @@ def _join_cluster():
     from mindspore import ops
     from mindspore.communication import get_group_size, get_rank, init
 
-    from labkit.config import ParallelConfig
-    from labkit.parallel import context as parallel
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
@@ -154,8 +154,8 @@ def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str =
     all ranks have finished the last."""
     import statistics
 
-    import numpy as np
     import mindspore as ms
+    import numpy as np
     from mindspore import nn, ops
 
     np_dtype = np.dtype(dtype)
@@ -192,7 +192,6 @@ def _time_reduce(shapes, rank: int, size: int, repeats: int, align, dtype: str =
 def _write_result(spec: dict, size: int, by_dtype: dict) -> None:
     from mindspore.communication import GlobalComm
 
-    from labkit.io import atomic_write_text
 
     libs = _loaded_libraries()
     first = next(iter(by_dtype.values()))

@@ -7,9 +7,14 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from labkit.errors import LabkitError
-from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
 
+from labkit.config import flag_values, load_run_config
+from labkit.data import loader
+from labkit.errors import LabkitError
+from labkit.parallel import context as parallel
+from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
+from labkit.training import run_dir
+from labkit.training.world import World, check_batch, dp_size
 
 # variables msrun sets for its workers; a launch from inside a worker must not inherit them
 CLUSTER_ENV = ("MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_ROLE", "MS_NODE_ID", "MS_TOPO_TIMEOUT",
@@ -60,8 +65,6 @@ class LaunchSpec:
 
 def resolve_config(spec: LaunchSpec):
     """The RunConfig of a launch: its config with the overrides, then the train flags, applied."""
-    from labkit.config import flag_values, load_run_config
-
     return load_run_config(spec.config or "configs/tiny_cpu.yaml", list(spec.overrides or []), flag_values(spec))
 
 
@@ -159,9 +162,6 @@ def check_master_addr(master_addr: str, node_rank: int) -> str:
 def resolve_parallel(cfg, total: int) -> Parallel:
     """The parallel mode for `total` workers (more than one means data_parallel unless the config says otherwise),
     checked against the hardware, and global batch = micro_batch x dp x accum against train.global_batch."""
-    from labkit.parallel import context as parallel
-    from labkit.training.world import World, check_batch, dp_size
-
     p = cfg.parallel
     mode = p.parallel_mode or ("data_parallel" if total > 1 else "stand_alone")
     parallel.require_hardware(mode, p.device_target, total)
@@ -191,9 +191,6 @@ def choose_port(layout: Layout, master_port: int | None) -> int | None:
 
 def prepare(spec: LaunchSpec) -> PreparedLaunch:
     """Validate a launch without starting anything (the dataset is built here on first use)."""
-    from labkit.data import loader
-    from labkit.training import run_dir
-
     s = spec
     layout = check_layout(s.workers, s.nodes, s.node_rank, s.master_addr, s.master_port)
     port = choose_port(layout, s.master_port)

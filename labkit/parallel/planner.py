@@ -14,16 +14,15 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from labkit.config import ModelConfig
-from labkit.layout import RECOMPUTE, Layout, Recompute
-from labkit.parallel.devices import GIB, Device, device_preset
+from labkit.config import ModelConfig, model_from_section, model_preset, read_yaml
 from labkit.errors import LabkitError
+from labkit.layout import RECOMPUTE, Layout, Recompute
 from labkit.model.shapes import flops_per_token, num_params, param_counts
+from labkit.output import add_common_flags, emit
+from labkit.parallel.devices import GIB, Device, device_preset
+from labkit.parallel.memory import PRECISIONS, Numerics, bytes_per_param, memory_breakdown, precision_of, stage_params
 from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
-from labkit.parallel.memory import (PRECISIONS, Numerics, bytes_per_param, memory_breakdown, precision_of,
-                                    stage_params)
-
 
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
 DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe (dp 8 x batch 1 x accum 8)
@@ -404,8 +403,6 @@ def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit
 def model_from_config_file(path) -> tuple[ModelConfig, dict]:
     """The model of a labkit run config (its `model:` section: `preset: NAME` plus overrides, or ModelConfig
     fields) and the few other values the planner can use (data.seq_len)."""
-    from labkit.config import model_from_section, read_yaml
-
     data = read_yaml(path)
     section = data.get("model")
     if not isinstance(section, dict):
@@ -422,8 +419,6 @@ def model_from_config_file(path) -> tuple[ModelConfig, dict]:
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="model preset (tiny, llama_100m, llama2_7b)")
     src.add_argument("--config", help="a labkit run config YAML with a model: section")
@@ -447,9 +442,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-    from labkit.config import model_preset
-
     if args.preset:
         cfg, extra = model_preset(args.preset), {}
     else:

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.data import dataset as data
 from labkit.errors import LabkitError
+from labkit.model.llama import build_model
+from labkit.paths import lab_path
+from labkit.training.generate import load_checkpoint
+from labkit.training.world import all_reduce_sum
 
 
 def spread(samples: np.ndarray, n: int) -> np.ndarray:
@@ -69,8 +74,6 @@ class Evaluator:
         total = sum(float(self._loss(ms.Tensor(self.samples[b])).asnumpy()) for b in self.batches)
         count = float(len(self.batches))
         if self.world_size > 1:
-            from labkit.training.world import all_reduce_sum
-
             total, count = all_reduce_sum([total, count])
         mean = total / count
         return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0)), "val_batches": int(count)}
@@ -79,9 +82,6 @@ class Evaluator:
 def validation_set(run, val_fraction: float | None = None) -> tuple:
     """(validation folder, held_out) for a run config: its own validation set when it has one; otherwise the split
     `val_fraction` (default 0.02) holds out of the same corpus, whose documents that run may have read."""
-    from labkit.data import dataset as data
-    from labkit.paths import lab_path
-
     d = run.data
     own = data.val_dir(d.dataset) if d.dataset else None
     if own is None and not d.dataset and d.val_fraction:
@@ -104,9 +104,6 @@ def evaluate_checkpoint(checkpoint, val_fraction: float | None = None) -> dict:
     `validation_set(run, val_fraction)`; `held_out` says whether training never read those documents."""
     import mindspore as ms
 
-    from labkit.data import dataset as data
-    from labkit.model.llama import build_model
-    from labkit.training.generate import load_checkpoint
 
     ck = load_checkpoint(checkpoint)
     run = ck["run"]

@@ -21,9 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from labkit.config import ModelConfig, RunConfig, load
+from labkit.data.dataset import load_fast_tokenizer
 from labkit.errors import LabkitError
 from labkit.logs import quiet_mindformers
+from labkit.model.llama import build_model
+from labkit.output import emit
 from labkit.paths import lab_path
+from labkit.training import checkpoint, run_dir
 from labkit.weights.convert import run_tokenizer
 
 
@@ -45,7 +49,6 @@ class Sampler:
 
     def __init__(self, model_cfg: ModelConfig, window: int):
         quiet_mindformers()
-        from labkit.model.llama import build_model
 
         if not 1 < window <= model_cfg.max_position_embeddings:
             raise LabkitError(f"generation window {window} must be in 2..{model_cfg.max_position_embeddings}")
@@ -120,8 +123,6 @@ def sample_texts(sampler: Sampler, tok, prompts: list[str], max_new_tokens: int,
 
 def resolve_checkpoint(path) -> Path:
     """A training checkpoint folder from a run folder (its newest checkpoint) or a checkpoint folder itself."""
-    from labkit.training import checkpoint
-
     p = Path(path)
     if (p / "state.json").is_file() and (p / "state.ckpt").is_file():
         return p
@@ -136,8 +137,6 @@ def load_checkpoint(path, tokenizer=None) -> dict:
     """Model config, weights, run config, training length and tokenizer (the run's own, or `tokenizer`) of a
     training checkpoint. The weights are checked against the recorded config and the tokenizer against its
     vocabulary before they are loaded (labkit.training.run_dir.check_trained)."""
-    from labkit.training import checkpoint, run_dir
-
     ck = resolve_checkpoint(path)
     meta = json.loads((ck / "state.json").read_text(encoding="utf-8"))
     if "config" not in meta:
@@ -153,8 +152,6 @@ def generate(checkpoint, prompt: str, max_new_tokens: int = 48, temperature: flo
              seed: int = 0, window: int | None = None, tokenizer=None) -> dict:
     """Continue `prompt` with the model of a training checkpoint (CPU). `tokenizer` overrides the run's own
     (notebook 02 decodes with the wrong one on purpose)."""
-    from labkit.data.dataset import load_fast_tokenizer
-
     ck = load_checkpoint(checkpoint, tokenizer)  # the pairs are checked before MindSpore is imported
     import mindspore as ms
 
@@ -185,8 +182,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     r = generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     emit(args, r, r["prompt"] + r["text"])
     return 0

@@ -28,9 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from labkit.config import model_preset
+from labkit.data.dataset import ensure_dataset
+from labkit.data.loader import make_loader
 from labkit.io import atomic_write_text
+from labkit.model import scratch
 from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
 from labkit.runtime import prepare_process
+from labkit.training.pipeline import pipeline_step
 from labkit.training.sharded import Layout, Optim, Worker
 
 LAYOUTS = {
@@ -55,9 +59,6 @@ def model_cfg(settings: dict = SETTINGS):
 
 def step_batches(layout: Layout, dp_index: int, settings: dict = SETTINGS):
     """Per optimizer step, the list of micro-batches (token ids [b, s+1]) this data-parallel index reads."""
-    from labkit.data.dataset import ensure_dataset
-    from labkit.data.loader import make_loader
-
     dataset = ensure_dataset(settings["seq_len"], progress=False)
     mb = settings["global_batch"] // (layout.dp * layout.micro)
     it = make_loader(dataset, mb, seed=settings["seed"], dp_size=layout.dp, dp_rank=dp_index, accum=layout.micro)
@@ -78,9 +79,6 @@ def groups_of(layout: Layout, rank: int, world: int, traffic: Traffic) -> dict:
 
 def train_layout(layout: Layout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
                  dtype=np.float32) -> dict:
-    from labkit.model import scratch
-    from labkit.training.pipeline import pipeline_step
-
     cfg = model_cfg(settings)
     layout.check(cfg, settings["global_batch"])
     traffic = Traffic()

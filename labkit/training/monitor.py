@@ -19,7 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from labkit.config import load_run_config
 from labkit.errors import LabkitError
+from labkit.training.metrics import read_metrics
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -336,9 +338,6 @@ def train_capped(config: str, micro_batch: int, limit_mb: float, sets: list[str]
     """`labkit train` at one micro-batch in a child process capped at `limit_mb`; how it ended, when (compiling
     or running, `death_phase`) and why. `predict(micro_batch)` gives a memory model's need by part in MB (e.g. the
     planner's, `labkit.training.oom.planner_need_mb`); the report quotes it."""
-    from labkit.config import load_run_config
-    from labkit.training.metrics import read_metrics
-
     sets = [*sets, f"train.micro_batch={micro_batch}"]
     cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
     for s in sets:

@@ -13,7 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.errors import LabkitFailure
 from labkit.layout import Recompute
+from labkit.output import run_error
+from labkit.parallel.memory import Numerics, memory_breakdown
+from labkit.training.metrics import read_metrics
 from labkit.training.monitor import CGROUP_V1, CGROUP_V2, classify_death, group_of, group_stats
 
 # ------------------------------------------------------------------------------------------- who killed a process
@@ -124,7 +128,6 @@ def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None 
     MindSpore's own memory    (libraries, graph compilation, allocator pools)."""
     import dataclasses
 
-    from labkit.parallel.memory import Numerics, memory_breakdown
 
     layout = dataclasses.replace(cfg.layout(), micro_batch=micro_batch or cfg.train.micro_batch,
                                  recompute=Recompute.parse(recompute) if recompute else cfg.train.recompute)
@@ -245,10 +248,6 @@ def _send(pid: int, sig: int) -> None:
 
 def _report_kill(watch: dict, cfg, args) -> None:
     """The parent's word on a child killed with SIGKILL (not for the fault drill, which kills itself)."""
-    from labkit.errors import LabkitFailure
-    from labkit.output import run_error
-    from labkit.training.metrics import read_metrics
-
     death = oom_evidence(watch, -signal.SIGKILL)
     if not death["out_of_memory"] and getattr(args, "kill_rank", None) is not None:
         return

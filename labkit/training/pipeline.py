@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import time
 
+from labkit.model import scratch
+
 
 def programs(schedule: str, m: int) -> dict[int, list[tuple[str, int]]]:
     """Per stage, its actions in order: F/B (compute), send_act/recv_act, send_grad/recv_grad, with micro-batch j."""
@@ -52,7 +54,6 @@ def pipeline_step(w, micro_batches: list) -> dict:
     import mindspore as ms
     from mindspore import ops
 
-    from labkit.model import scratch
 
     cfg, pp = w.cfg, w.groups["pp"]
     stage = pp.index

@@ -12,7 +12,9 @@ import csv
 import tempfile
 from pathlib import Path
 
+from labkit.config import load_run_config
 from labkit.training.metrics import WARMUP_STEPS
+from labkit.training.trainer import Trainer
 
 
 def table(times_ms: dict[str, float], steps: int, top: int = 15) -> list[dict]:
@@ -137,9 +139,6 @@ def profile_labkit(preset: str, micro_batch: int, seq_len: int, kernels: str = "
                    warmup: int = WARMUP_STEPS, config: str = "configs/tiny_cpu.yaml") -> dict:
     """Profile of labkit's MindSpore training step (float32, no accumulation) over `steps` steady steps:
     {table, times_ms, steps} (see `profile_trainer`)."""
-    from labkit.config import load_run_config
-    from labkit.training.trainer import Trainer
-
     with tempfile.TemporaryDirectory(prefix="labkit_profile_") as tmp:
         cfg = load_run_config(config, [
             f"model.preset={preset}", f"output_dir={tmp}/run", f"train.steps={warmup}", "train.accum=1",

@@ -30,13 +30,21 @@ from pathlib import Path
 import yaml
 
 from labkit.config import AMP_LEVELS, RunConfig, load
+from labkit.data import dataset as data
+from labkit.data.dataset import CACHE
 from labkit.errors import LabkitError
 from labkit.paths import lab_path
 from labkit.training import checkpoint
 from labkit.weights.convert import TOKENIZER_FILES, run_tokenizer
-from labkit.weights.pairs import (STRUCTURE, ParamDtype, check_converted, check_tokenizer_fits, check_weights,
-                                  tokenizer_span)
 from labkit.weights.formats import ckpt_index, weights_file
+from labkit.weights.pairs import (
+    STRUCTURE,
+    ParamDtype,
+    check_converted,
+    check_tokenizer_fits,
+    check_weights,
+    tokenizer_span,
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +85,6 @@ class RunFolder:
 def dataset_path(cfg) -> Path:
     """cfg.data.dataset resolved (relative paths from the lab root's data/, see labkit.paths.lab_path), or the
     shipped corpus's dataset for this seq_len, built here once on first use."""
-    from labkit.data import dataset as data
-
     if not cfg.data.dataset:
         return Path(data.ensure_dataset(cfg.data.seq_len, corpus=cfg.data.corpus, tokenizer_dir=cfg.data.tokenizer,
                                         val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)).resolve()
@@ -95,8 +101,6 @@ def check_dataset(cfg) -> DatasetCheck:
     """The dataset's samples have the config's seq_len, its tokens fit the model's vocabulary, it separates
     documents with the model's eos_token_id, and (a prebuilt dataset) it was tokenized with data.tokenizer's
     vocabulary."""
-    from labkit.data import dataset as data
-
     path = dataset_path(cfg)
     stats = data.read_stats(path)
     if stats.get("seq_len") not in (None, cfg.data.seq_len):
@@ -245,8 +249,6 @@ def _run_config_file(folder: RunFolder, meta: dict) -> str:
 def _data_identity(c: RunConfig) -> tuple:
     """What selects a run's training data: a prebuilt dataset's folder, or what a first-use build is made from
     (`labkit launch` writes that build's cache folder into its workers' config: the same data)."""
-    from labkit.data.dataset import CACHE
-
     d = c.data
     if d.dataset:
         path = lab_path(d.dataset).resolve()

@@ -3,6 +3,7 @@
 graph compile on CPU (bench/compile_time.py); and the step's tail built from them (`update_tail`)."""
 from __future__ import annotations
 
+from labkit.model.kernels.adamw import adamw_ops
 
 
 def grad_ops() -> dict:
@@ -82,7 +83,6 @@ def update_tail(opt, clip: float, scaled: bool, fused: bool = False):
 
     if not fused:
         return native
-    from labkit.model.kernels.adamw import adamw_ops
 
     square_sum = adamw_ops()[1]
 

@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import time
+
 import numpy as np
+
+from labkit.config import model_preset
+from labkit.logs import quiet_mindformers
+from labkit.model.llama import build_model
 
 
 def model_step_seconds(seq_len: int = 128, micro_batch: int = 8, steps: int = 2, preset: str = "tiny") -> float:
     """Seconds per training step (forward, backward, AdamW; graph mode) of a model preset on this machine, to put
     the loader's time per step in proportion. Compilation is excluded."""
+    import mindspore as ms
     from mindspore import nn
 
-    import mindspore as ms
 
-    from labkit.config import model_preset
-    from labkit.model.llama import build_model
-
-    from labkit.logs import quiet_mindformers
 
     ms.set_context(mode=ms.GRAPH_MODE)
     cfg = model_preset(preset)

@@ -17,23 +17,36 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.training import checkpoint, run_dir
-from labkit.config import RunConfig, dump_run_config, flag_values, load_run_config, to_dict
+from labkit.config import AMP_LEVELS, RunConfig, dump_run_config, flag_values, load_run_config, to_dict
+from labkit.data import dataset as data
+from labkit.data import loader
 from labkit.errors import LabkitError, LabkitFailure
-from labkit.training.metrics import read_metrics
-from labkit.model.llama import Backend, build_model
-from labkit.logs import quiet_mindformers
 from labkit.io import OutputLock, atomic_write_text
-from labkit.paths import lab_path
+from labkit.logs import quiet_mindformers
+from labkit.model.kernels.adamw import adamw_ops, optimizer_class
+from labkit.model.llama import Backend, build_model
 from labkit.model.shapes import flops_per_token
-from labkit.config import AMP_LEVELS
-from labkit.training.schedule import WarmupCosine, lr_at
-from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
-from labkit.training.step import grad_ops, update_tail
-from labkit.training.metrics import rewrite_metrics, steady, steady_throughput
-from labkit.training.monitor import LeakMonitor
-from labkit.training.tensorboard import EventWriter
+from labkit.output import add_common_flags, emit
+from labkit.parallel.devices import cached_gemm_peak
+from labkit.paths import lab_path
+from labkit.training import checkpoint, run_dir
+from labkit.training.evaluate import Evaluator
 from labkit.training.fault import Fault, check_fault
+from labkit.training.generate import Sampler, sample_texts
+from labkit.training.metrics import (
+    POOL_STATS_ENV,
+    pool_peak_mb,
+    read_metrics,
+    rewrite_metrics,
+    steady,
+    steady_throughput,
+)
+from labkit.training.monitor import LeakMonitor
+from labkit.training.oom import train_watched
+from labkit.training.schedule import WarmupCosine, lr_at
+from labkit.training.step import grad_ops, update_tail
+from labkit.training.tensorboard import EventWriter
+from labkit.training.world import barrier, check_batch, dp_size, init_context, mean_over_ranks, peak_memory_mb
 
 
 class Trainer:
@@ -56,7 +69,6 @@ class Trainer:
         import mindspore as ms
         from mindspore import nn
 
-        from labkit.data import loader
 
         self.world = init_context(cfg)
         self.dp = dp_size(cfg, self.world)
@@ -124,7 +136,6 @@ class Trainer:
                 or self.world.mode not in ("stand_alone", "data_parallel")
                 or any(p.dtype != ms.float32 for p in params)):
             return None
-        from labkit.model.kernels.adamw import adamw_ops, optimizer_class
 
         return optimizer_class() if adamw_ops() is not None else None
 
@@ -177,9 +188,6 @@ class Trainer:
 
     def _evaluation(self, net, stats):
         """The validation-loss graph (train.eval_every > 0) and, on rank 0, the sampler for train.sample_prompts."""
-        from labkit.data import dataset as data
-        from labkit.training.evaluate import Evaluator
-
         t = self.cfg.train
         if not t.eval_every:
             return None, None
@@ -192,16 +200,12 @@ class Trainer:
                               t.eval_samples)
         sampler = None
         if t.sample_prompts and self.world.rank == 0:
-            from labkit.training.generate import Sampler
-
             sampler = (Sampler(self.model_cfg, self.cfg.data.seq_len),
                        data.load_fast_tokenizer(lab_path(stats["tokenizer"])))
         return evaluator, sampler
 
     def evaluate(self) -> dict:
         """val_loss and val_ppl of the current weights; on rank 0 also writes samples.jsonl."""
-        from labkit.training.generate import sample_texts
-
         rec = self.evaluator()
         if self.sampler is not None:
             t = self.cfg.train
@@ -265,8 +269,6 @@ class Trainer:
         if fault is not None:
             check_fault(fault.rank, fault.after_step, self.world.size, self.step, t.steps)
         if self.peak_flops is None and rank0:  # the MFU is rank 0's figure (metrics.jsonl): the others skip the probe
-            from labkit.parallel.devices import cached_gemm_peak
-
             self.peak_flops = cached_gemm_peak()
         lock = OutputLock(self.out, 0, "labkit train").acquire() if rank0 else None  # one writer per run folder
         if rank0:
@@ -429,17 +431,12 @@ def device_target_of(args) -> str:
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     add_train_flags(parser)
     add_common_flags(parser, "print one JSON object (the run summary)")
     parser.set_defaults(func=_cli)
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-    from labkit.training.oom import train_watched
-
     cfg = config_from_args(args)
     watcher_code = train_watched(cfg, args)  # typed on a command line: a parent process names an OOM kill
     if watcher_code is not None:
@@ -463,7 +460,6 @@ def train_in_subprocess(config: str = "configs/tiny_cpu.yaml", sets: list[str] |
     cmd = [sys.executable, "-m", "labkit", "train", "--config", str(config), "--json"]
     for s in sets:
         cmd += ["--set", s]
-    from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
 
     env = {**os.environ, "GLOG_v": "3", **POOL_STATS_ENV}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -7,8 +7,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
 from labkit.config import RunConfig
 from labkit.errors import LabkitError
+from labkit.parallel import context as parallel
 
 
 @dataclass
@@ -36,7 +38,6 @@ def init_context(cfg: RunConfig) -> World:
     mode = p.parallel_mode or ("data_parallel" if launched > 1 else "stand_alone")
     if mode == "stand_alone":
         return World()
-    from labkit.parallel import context as parallel
 
     if not launched:
         raise LabkitError(f"parallel_mode {mode} needs worker processes started by msrun",

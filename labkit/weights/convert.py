@@ -26,15 +26,29 @@ import numpy as np
 import yaml
 
 from labkit import __version__
-from labkit.weights.formats import (STORE, DTYPES, CkptWriter, HFSource, as_float32, cast, ckpt_index, open_hf, read_ckpt_tensor, st_write, training_checkpoint)
 from labkit.config import ModelConfig, RunConfig, load, to_dict
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir, check_output_dir
-from labkit.paths import lab_path
-from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table, ms_shapes
-from labkit.model.shapes import expected_hf_shapes, num_params
-from labkit.weights.hf_config import hf_config_from_model, model_config_from_hf, read_model_config
 from labkit.logs import quiet_mindformers
+from labkit.model.llama import build_model, llama_config_kwargs
+from labkit.model.shapes import expected_hf_shapes, num_params
+from labkit.output import add_common_flags, emit
+from labkit.paths import lab_path
+from labkit.weights.formats import (
+    DTYPES,
+    STORE,
+    CkptWriter,
+    HFSource,
+    as_float32,
+    cast,
+    ckpt_index,
+    open_hf,
+    read_ckpt_tensor,
+    st_write,
+    training_checkpoint,
+)
+from labkit.weights.hf_config import hf_config_from_model, model_config_from_hf, read_model_config
+from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table, ms_shapes
 from labkit.weights.pairs import CONVERTED_TOKENIZER_FIX, check_tokenizer_fits, check_weights
 
 # ------------------------------------------------------------------------------------------ the mapping
@@ -50,8 +64,6 @@ EXTRA_FILES = ("generation_config.json",)
 
 def _target_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Parameter names and shapes of the mindformers model itself (built without allocating weights)."""
-    from labkit.model.llama import build_model
-
     quiet_mindformers()
     model = build_model(cfg, seq_length=8, no_init=True)
     return {n: tuple(p.shape) for n, p in model.parameters_and_names()}
@@ -129,8 +141,6 @@ def _progress(total: int, desc: str):
 
 
 def mindformers_yaml(cfg: ModelConfig, seq_length: int | None = None) -> str:
-    from labkit.model.llama import llama_config_kwargs
-
     kw = llama_config_kwargs(cfg, seq_length=seq_length or cfg.max_position_embeddings)
     head = ("# mindformers model block for this checkpoint (CPU-safe flags; on Ascend set fused_rms_norm: true,\n"
             "# use_rope_slice: false, use_flash_attention: true). Weights: model.ckpt beside this file.\n")
@@ -402,8 +412,6 @@ def _ms2hf_from_training(src: Path, dst, dtype: str | None, overwrite: bool) -> 
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
     a = sub.add_parser("hf2ms", help="HF Llama checkpoint -> converted MindSpore directory")
     a.add_argument("--src", help="HF model directory (config.json + safetensors or pytorch_model*.bin)")
@@ -435,8 +443,6 @@ def _summary(r: dict) -> str:
 
 
 def _cli_hf2ms(args) -> int:
-    from labkit.output import emit
-
     if args.show_mapping:
         rules = [dict(hf=r.hf, ms=r.ms, shape=r.shape, layout=r.layout) for r in MAPPING]
         emit(args, {"ok": True, "mapping": rules, "tied_copy": TIED_COPY, "buffers": BUFFER.pattern}, mapping_table())
@@ -449,8 +455,6 @@ def _cli_hf2ms(args) -> int:
 
 
 def _cli_ms2hf(args) -> int:
-    from labkit.output import emit
-
     r = ms2hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     text = _summary(r)
     if r["bit_exact_to_source"] is not None:

@@ -25,12 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from labkit.config import to_dict
-from labkit.weights.formats import as_float32, ckpt_index, nonfinite_counts, read_ckpt_tensor
-from labkit.weights.pairs import check_converted
-from labkit.weights.hf_config import model_config_from_hf, read_model_config
-from labkit.logs import quiet_mindformers as quiet_mindformers
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.io import atomic_dir
+from labkit.logs import quiet_mindformers as quiet_mindformers
+from labkit.model.llama import build_model
+from labkit.output import add_common_flags, emit
+from labkit.weights.formats import as_float32, ckpt_index, nonfinite_counts, read_ckpt_tensor
+from labkit.weights.hf_config import model_config_from_hf, read_model_config
+from labkit.weights.pairs import check_converted
 
 TOLERANCE = 1e-3  # max |logit difference| allowed in float32
 
@@ -113,7 +115,6 @@ def ms_side(ms_dir: str | Path, tokens: list[int], gen_tokens: int) -> dict:
     quiet_mindformers()
     import mindspore as ms
 
-    from labkit.model.llama import build_model
 
     cfg = read_model_config(ms_dir)
     ckpt = Path(ms_dir) / "model.ckpt"
@@ -264,8 +265,6 @@ def make_variant(src: str | Path, dst: str | Path, *, drop: tuple = (), transpos
 
 
 def add_cli(parser) -> None:
-    from labkit.output import add_common_flags
-
     parser.add_argument("--hf", required=True, help="HF model directory (run with torch, float32)")
     parser.add_argument("--ms", required=True, help="converted directory (model.ckpt + model.yaml)")
     parser.add_argument("--seq-len", type=int, default=32, help="prompt length in tokens (default 32)")
@@ -277,8 +276,6 @@ def add_cli(parser) -> None:
 
 
 def _cli(args) -> int:
-    from labkit.output import emit
-
     r = run_parity(args.hf, args.ms, seq_len=args.seq_len, gen_tokens=args.gen_tokens, tolerance=args.tolerance,
                    seed=args.seed)
     r["ok"] = r["passed"]

@@ -5,11 +5,13 @@ import math
 import sys
 import threading
 from pathlib import Path
-from labkit.errors import LabkitError, LabkitFailure
-from labkit.course import plots
-from labkit.course.pretrain.runspec import PretrainRun
-from labkit.course.pretrain.outputs import write_configs
 
+from labkit.course import plots
+from labkit.course.pretrain.outputs import write_configs
+from labkit.course.pretrain.runspec import PretrainRun
+from labkit.errors import LabkitError, LabkitFailure
+from labkit.launch import launcher
+from labkit.training.metrics import read_metrics
 
 PANELS = (("loss", "loss", 1), ("tokens_per_s", "tokens/s", 1), ("mfu", "MFU %", 100),
           ("peak_mem_mb", "peak memory MB", 1))
@@ -65,8 +67,6 @@ class Follower(threading.Thread):
     def refresh(self, final: bool = False) -> None:
         """Draw every figure due among the rows not read before (`final`: also the last row, if not drawn), then
         the status line if there are new rows."""
-        from labkit.training.metrics import read_metrics
-
         with self._lock:
             rows = read_metrics(self.metrics.parent)
             if len(rows) < self.seen:  # rewritten shorter (a resumed run): read it again from its start
@@ -110,8 +110,6 @@ def _in_notebook() -> bool:
 def launch(run: PretrainRun, *, live: bool | None = None, timeout: float | None = None):
     """Start the run through `labkit launch` (one worker: `labkit train` in a child process; more: msrun) and
     follow it live. Returns the LaunchResult; a failed run raises LabkitFailure with the failing rank's log."""
-    from labkit.launch import launcher
-
     if not run.can_train:
         raise LabkitError(f"this machine cannot run it: {run.why_not}", "see launch.sh for the commands to use")
     if not (run.output_dir / "run.yaml").exists():

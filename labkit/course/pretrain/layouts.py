@@ -2,8 +2,11 @@
 recomputation), the batch arithmetic for one dp, and whether this machine has the devices for its share."""
 from __future__ import annotations
 
-from labkit.errors import LabkitError
 from labkit.course.pretrain.params import AMP_PRECISION
+from labkit.doctor.env import collect_hardware
+from labkit.errors import LabkitError
+from labkit.parallel import planner
+from labkit.parallel.memory import Numerics
 
 
 def divisors(n: int) -> list[int]:
@@ -14,9 +17,6 @@ def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_atte
     """The planner's Strategy for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
     planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed.
     `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.layout.Layout."""
-    from labkit.parallel import planner
-    from labkit.parallel.memory import Numerics
-
     precision, master = AMP_PRECISION[amp_level]
     lay, memory_gib, devices = layout, machine.device_memory_gib, machine.devices
     dp, mp, pp = lay.dp, lay.mp, lay.pp
@@ -69,7 +69,6 @@ def shortfall(target: str, workers: int) -> str | None:
     """None when this machine has the devices for its share of the run, else why not."""
     if target == "CPU":
         return None
-    from labkit.doctor.env import collect_hardware
 
     hw = collect_hardware()
     have = len(hw["npus"] if target == "Ascend" else hw["nvidia_gpus"])

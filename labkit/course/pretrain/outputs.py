@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from labkit.io import atomic_write_text
+
+from labkit.config import AMP_LEVELS, dump_run_config
 from labkit.course.pretrain.params import DEFAULTS
 from labkit.course.pretrain.runspec import PretrainRun
+from labkit.io import atomic_write_text
+from labkit.launch.validate import PreparedLaunch, command
+from labkit.model.llama import Backend, llama_config_kwargs
+from labkit.parallel import mindformers_yaml as mf_yaml
 
 
 def layout_table(run: PretrainRun, top: int = 8):
@@ -28,9 +33,6 @@ def mindformers_yaml(run: PretrainRun) -> str:
     available in the installed mindformers 1.9.0)."""
     import yaml
 
-    from labkit.parallel import mindformers_yaml as mf_yaml
-    from labkit.model.llama import Backend, llama_config_kwargs
-    from labkit.config import AMP_LEVELS
 
     c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
     mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
@@ -83,8 +85,6 @@ def mindformers_yaml(run: PretrainRun) -> str:
 
 def commands(run: PretrainRun) -> dict:
     """The exact commands for this run: labkit launch per node, the msrun line it runs, mindformers', papermill's."""
-    from labkit.launch.validate import PreparedLaunch, command
-
     out, c = run.output_dir, run.cfg
     port = run.master_port or 8118
     addr = run.master_addr or ("NODE0_HOST" if run.nodes > 1 else "127.0.0.1")
@@ -141,8 +141,6 @@ def node0_only(run: PretrainRun, what: str) -> bool:
 
 def config_texts(run: PretrainRun) -> dict[str, str]:
     """The texts of run.yaml, mindformers.yaml, plan.json and launch.sh (what write_configs writes)."""
-    from labkit.config import dump_run_config
-
     cmds = commands(run)
     given = {k: v for k, v in run.params.items() if v is not None and v != DEFAULTS[k]}
     start = (f"# Start it with: {cmds['labkit_launch'][0]}\n" if run.nodes == 1 else

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+
 from labkit.config import load_run_config
-from labkit.errors import LabkitError
-from labkit.model.shapes import num_params
-from labkit.course.pretrain.layouts import estimate
-from labkit.course.pretrain.runspec import PretrainRun
-from labkit.course.pretrain.params import SEED_AS_WRITTEN
-from labkit.course.pretrain.outputs import NODE0_ONLY, commands, mindformers_yaml, write_configs
+from labkit.course import nb
 from labkit.course.pretrain.follow import figure_png
+from labkit.course.pretrain.layouts import estimate
+from labkit.course.pretrain.outputs import NODE0_ONLY, commands, mindformers_yaml, write_configs
+from labkit.course.pretrain.params import SEED_AS_WRITTEN
+from labkit.course.pretrain.runspec import PretrainRun
+from labkit.errors import LabkitError
+from labkit.layout import Layout
+from labkit.logs import quiet_mindformers
+from labkit.model.llama import backend_flags, count_parameters
+from labkit.model.shapes import expected_hf_shapes, num_params
+from labkit.parallel.devices import device_preset
+from labkit.parallel.planner import Machine
+from labkit.training import checkpoint
+from labkit.training.metrics import health, read_metrics, steady
+from labkit.weights.mapping import hf_to_ms
 
 
 def expected_shapes(model) -> dict[str, tuple]:
     """mindformers parameter names and shapes the model config implies: HF's canonical shapes renamed by the
     conversion mapping (labkit.weights.convert), an independent derivation of what mindformers builds."""
-    from labkit.model.shapes import expected_hf_shapes
-    from labkit.weights.mapping import hf_to_ms
-
     return {hf_to_ms(k): v for k, v in expected_hf_shapes(model).items()}
 
 
@@ -28,8 +35,6 @@ def prove_shapes(run: PretrainRun) -> dict:
     MindFormerConfig + LlamaConfig + LlamaForCausalLM) and compare every name and shape with expected_shapes."""
     import time
 
-    from labkit.model.llama import count_parameters
-    from labkit.logs import quiet_mindformers
 
     quiet_mindformers()
     import mindspore as ms
@@ -63,8 +68,6 @@ def prove_shapes(run: PretrainRun) -> dict:
 
 def checkpoint_shapes(run: PretrainRun) -> dict:
     """The trained run's newest checkpoint against expected_shapes: what the workers really built and saved."""
-    from labkit.training import checkpoint
-
     ck = checkpoint.latest(run.output_dir)
     if ck is None:
         raise LabkitError(f"no checkpoint in {run.output_dir}", "train first (the launch cell)")
@@ -78,10 +81,6 @@ def checkpoint_shapes(run: PretrainRun) -> dict:
 def summarize(run: PretrainRun, result=None) -> dict:
     """What the run did: final metrics, the static figure, checkpoints and how to resume; or, when nothing was
     trained here, the predicted figures and the commands. Key figures are recorded for `labkit run`."""
-    from labkit.training import checkpoint
-    from labkit.course import nb
-    from labkit.training.metrics import health, read_metrics, steady
-
     cmds = commands(run)
     s = run.strategy
     out = {"trained": result is not None, "preset": run.preset, "devices": run.devices,
@@ -143,11 +142,6 @@ def _node_summary(run: PretrainRun, result, out: dict) -> dict:
 def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices: int = 8,
                device: str = "atlas_800t_a2", memory_gib: float | None = None, tokens: float = 100e9) -> dict:
     """One shipped recipe judged by the planner on `devices` x `device`, as the config says (no search)."""
-    from labkit.layout import Layout
-    from labkit.parallel.devices import device_preset
-    from labkit.parallel.planner import Machine
-    from labkit.model.llama import backend_flags
-
     cfg = load_run_config(config, values=overrides)
     model, t, p = cfg.model_config(), cfg.train, cfg.parallel
     dev = device_preset(device)

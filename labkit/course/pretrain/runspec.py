@@ -26,13 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.config import RunConfig, coerce, load, load_run_config, set_value, to_dict
-from labkit.layout import Layout
-from labkit.errors import LabkitError
-from labkit.runtime import prepare_process
-from labkit.model.shapes import num_params
-from labkit.paths import RUNS, lab_path
-from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
 from labkit.course.pretrain.layouts import divisors, estimate, shortfall, split_batch
+from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
+from labkit.course.runner import CALLER_ENV
+from labkit.errors import LabkitError
+from labkit.layout import Layout
+from labkit.model.llama import backend_flags
+from labkit.model.shapes import num_params
+from labkit.parallel import planner
+from labkit.parallel.devices import GIB, device_preset
+from labkit.parallel.memory import Numerics
+from labkit.parallel.planner import Machine
+from labkit.paths import RUNS, lab_path
+from labkit.runtime import prepare_process
+from labkit.training import checkpoint, run_dir
 
 
 @dataclass
@@ -103,8 +110,6 @@ def _typed(name: str, value):
 
 def _caller_base() -> Path:
     """Where the user runs: papermill's kernel cwd, or the folder `labkit run` was called from."""
-    from labkit.course.runner import CALLER_ENV
-
     return Path(os.environ.get(CALLER_ENV) or os.getcwd())
 
 
@@ -171,8 +176,6 @@ class Placement:
 
 
 def _placement(s: Settings) -> Placement:
-    from labkit.parallel.devices import device_preset
-
     given, target = s.given, s.cfg.parallel.device_target
     devices = given["devices"] or s.pre["devices"]
     if devices < 1:
@@ -267,8 +270,6 @@ class Search:
 
 def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tuple[list, dict]:
     """The planner's row for each dp x mp x pp the parameters allow, and why each other one cannot work."""
-    from labkit.parallel.planner import Machine
-
     t, devices, target = s.cfg.train, place.devices, s.cfg.parallel.device_target
     machine = Machine(devices, place.memory_gib, device=dev, nodes=place.nodes)
     rows, reasons = [], {}
@@ -293,10 +294,6 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
 
 
 def _search(s: Settings, place: Placement, pin: Pinned) -> Search:
-    from labkit.model.llama import backend_flags
-    from labkit.parallel.devices import device_preset
-    from labkit.parallel.planner import Machine
-
     target = s.cfg.parallel.device_target
     flash = backend_flags(target).use_flash_attention
     dev = device_preset(place.device_name)
@@ -363,8 +360,6 @@ def _final_config(s: Settings, place: Placement, best, shard: bool, out: Path) -
 def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
     """Validate the parameters (names from PARAMETERS, read from `namespace`, e.g. the notebook's globals()):
     settings, then placement, pinned layout and batch, the planner's search, and the final config."""
-    from labkit.training import checkpoint
-
     s = _settings(namespace)
     prepare_process(s.cfg.parallel.device_target)  # before MindSpore is imported below (the CPU GEMM probe)
     place = _placement(s)
@@ -391,14 +386,11 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
 def host_ram_gib() -> float:
     import psutil
 
-    from labkit.parallel.devices import GIB
 
     return psutil.virtual_memory().total / GIB
 
 
 def _check_files(run: PretrainRun, checkpoint) -> None:
-    from labkit.training import run_dir
-
     c = run.cfg
     for what, value, need in (("dataset", c.data.dataset, "a MindRecord folder from `labkit data build`"),
                               ("tokenizer", c.data.tokenizer, "a tokenizer folder with tokenizer.model"),
@@ -417,9 +409,6 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
 
 def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) -> str:
     """The planner's fastest fitting strategy for the machine's devices, as parameters to pass."""
-    from labkit.parallel import planner
-    from labkit.parallel.memory import Numerics
-
     precision, master = AMP_PRECISION[cfg.train.amp_level]
     target = cfg.parallel.device_target
     found = []

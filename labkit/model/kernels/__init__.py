@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import sys
 
+from labkit.model.kernels.attn_softmax import use_custom_attn_softmax
+from labkit.model.kernels.build import compiler
+from labkit.model.kernels.rmsnorm import use_custom_rms_norm
+from labkit.model.kernels.rope import use_custom_rope
+from labkit.model.kernels.swiglu import use_custom_swiglu
+from labkit.model.kernels.xent import use_custom_cross_entropy
+
 KERNELS = ("native", "custom")
 
 
 def use_custom_kernels(model, log=None) -> dict:
     """Switch the model's RMSNorm, SwiGLU, RoPE, attention-softmax and cross-entropy cells to the custom operators;
     returns how many of each."""
-    from labkit.model.kernels.attn_softmax import use_custom_attn_softmax
-    from labkit.model.kernels.build import compiler
-    from labkit.model.kernels.rmsnorm import use_custom_rms_norm
-    from labkit.model.kernels.rope import use_custom_rope
-    from labkit.model.kernels.swiglu import use_custom_swiglu
-    from labkit.model.kernels.xent import use_custom_cross_entropy
-
     if compiler() is None:
         (log or (lambda m: print(m, file=sys.stderr)))(
             "kernels: no C++ compiler found (g++/c++ or $CXX); MindSpore's native operators run instead")
