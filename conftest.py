@@ -25,10 +25,11 @@ LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-
     "tests/test_layouts.py",  # ~130: two msrun launches (2 and 4 workers) running every parallel layout
     "tests/test_ui.py",  # 121
     "tests/test_bad_inputs.py",  # 100
-    "notebooks/06b_pipeline_zero_planner.ipynb",  # ~90 (the calibration; the parallel runs are test_layouts')
+    "notebooks/06c_planner.ipynb",  # ~90: measuring the calibration is 72 of it (alone, 2026-12-05); 17 when cached
     "notebooks/08b_data_speed_debugging.ipynb",  # 47 under nbval --durations at load average ~9
     "tests/test_eval.py",  # 67
     "notebooks/06a_tensor_parallel.ipynb",  # ~20 after test_layouts (listed earlier) launched the parallel runs
+    "notebooks/06b_pipeline_zero.ipynb",  # 11 under nbval (alone, 2026-12-05) after the parallel runs were cached
     "notebooks/07_pretrain.ipynb",  # 60
     "notebooks/02_tokenizer_alignment.ipynb",  # 50
     "tests/test_train.py",  # 48

@@ -21,7 +21,7 @@ per configuration; a child ends like a normal interpreter so MindSpore prints it
 
     python bench/plan_calibration.py [--ci] [--steps N] [--json] [--out FILE]
 
---ci runs the 5-configuration set the test and notebook 06b use (runs/bench/plan_calibration.json); without it,
+--ci runs the 5-configuration set the test and notebook 06c use (runs/bench/plan_calibration.json); without it,
 3 more configurations (runs/bench/plan_calibration_full.json).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Notebook 06b's calibration cache: reused only while newer than the bench and every module it checks; the modules
+"""Notebook 06c's calibration cache: reused only while newer than the bench and every module it checks; the modules
 it names exist (a package reorganisation would otherwise leave it checking nothing); the plot and the bench's table
 read a result of the bench's shape."""
 import os

@@ -1,5 +1,5 @@
 """planner.layer_line: what one decoder layer adds to a strategy's memory per device, against the count by hand
-(notebook 06b shows the same terms one by one)."""
+(notebook 06c shows the same terms one by one)."""
 import pytest
 
 from labkit.config import model_preset

@@ -1,7 +1,7 @@
 """The planner: exact parameter counts (checked against mindformers), the memory and time model against their
 sources, the search and its constraints, the CLI's JSON, the mindformers YAML it writes (checked offline by
 mindformers itself). The CPU calibration (memory differences within the bench's target) is measured and asserted once,
-by notebook 06b under nbval (it caches runs/bench/plan_calibration.json); tests/test_calibration.py tests the cache."""
+by notebook 06c under nbval (it caches runs/bench/plan_calibration.json); tests/test_calibration.py tests the cache."""
 from __future__ import annotations
 
 import dataclasses

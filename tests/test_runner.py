@@ -45,17 +45,18 @@ def test_only_selects_by_number_or_name(books):
 
 
 def test_a_notebook_in_parts_is_selected_by_its_number_or_part(tmp_path, monkeypatch):
-    for name in ("05_dp", "06a_tp", "06b_pp", "07_run"):
+    for name in ("05_dp", "06a_tp", "06b_pp", "06c_plan", "07_run"):
         notebook(tmp_path / f"{name}.ipynb", None, "x = 1")
     (tmp_path / "notes.ipynb").write_text("{}")  # not a course notebook: no number
     monkeypatch.setattr(runner, "NOTEBOOKS", tmp_path)
     names = lambda only: [p.name[:3] for p in runner.course_notebooks(only)]  # noqa: E731
-    assert names(None) == ["05_", "06a", "06b", "07_"]
-    assert names(["6"]) == names(["06"]) == ["06a", "06b"]
+    assert names(None) == ["05_", "06a", "06b", "06c", "07_"]
+    assert names(["6"]) == names(["06"]) == ["06a", "06b", "06c"]
     assert names(["06b", "5"]) == ["05_", "06b"]
+    assert names(["06c"]) == names(["06c_plan"]) == ["06c"]
     with pytest.raises(LabkitError) as e:
-        runner.course_notebooks(["06c"])
-    assert "05, 06a, 06b, 07" in e.value.fix
+        runner.course_notebooks(["06d"])
+    assert "05, 06a, 06b, 06c, 07" in e.value.fix
 
 
 def test_params_file_must_be_flat(tmp_path):

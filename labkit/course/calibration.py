@@ -1,4 +1,4 @@
-"""Notebook 06b's calibration of the planner: bench/plan_calibration.py's result (about 2 minutes to measure), reused
+"""Notebook 06c's calibration of the planner: bench/plan_calibration.py's result (about 2 minutes to measure), reused
 while it is newer than the bench and every module whose predictions it checks.
 
     result, note = calibration("auto")   # cached when fresh, else measured now
