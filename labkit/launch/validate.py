@@ -1,4 +1,4 @@
-"""Everything a launch checks before any process starts (config, layout, batch arithmetic, dataset, output folder,
+"""Everything a launch checks before any process starts (config, placement of workers, batch arithmetic, dataset, output folder,
 port), resolved into a PreparedLaunch, and the msrun command that starts it."""
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def free_port() -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """How many workers run where, and where node 0's scheduler listens."""
 
     workers: int  # worker processes on this node
@@ -110,8 +110,8 @@ LOOPBACK_FIX = ("give node 0's address on a network every node reaches; to try s
                 "each in its own network namespace joined by a veth pair (docs/multinode.md)")
 
 
-def check_layout(workers: int, nodes: int, node_rank: int, master_addr: str | None,
-                 master_port: int | None) -> Layout:
+def check_placement(workers: int, nodes: int, node_rank: int, master_addr: str | None,
+                 master_port: int | None) -> Placement:
     """Worker and node counts, node rank, and a master address every node can use."""
     for name, v, low in (("workers", workers, 1), ("nodes", nodes, 1)):
         if not isinstance(v, int) or v < low:
@@ -125,7 +125,7 @@ def check_layout(workers: int, nodes: int, node_rank: int, master_addr: str | No
             raise LabkitError("--nodes > 1 needs an explicit --master-port", "give every node the same free port")
         check_master_addr(master_addr, node_rank)
     total = workers * nodes
-    return Layout(workers=workers, nodes=nodes, node_rank=node_rank, total=total,
+    return Placement(workers=workers, nodes=nodes, node_rank=node_rank, total=total,
                   master_addr=(master_addr or "127.0.0.1") if total > 1 else None)
 
 
@@ -175,15 +175,15 @@ def resolve_parallel(cfg, total: int) -> Parallel:
     return Parallel(mode=mode, dp=dp, global_batch=check_batch(cfg, dp))
 
 
-def choose_port(layout: Layout, master_port: int | None) -> int | None:
+def choose_port(placement: Placement, master_port: int | None) -> int | None:
     """The scheduler port: a given one must be valid (and free on node 0); none given = a free one."""
-    if layout.total == 1:
+    if placement.total == 1:
         return None
     if master_port is None:
         return free_port()
     if not 1024 <= int(master_port) <= 65535:
         raise LabkitError(f"--master-port {master_port} is outside 1024..65535")
-    if layout.node_rank == 0 and not port_is_free(int(master_port)):
+    if placement.node_rank == 0 and not port_is_free(int(master_port)):
         raise LabkitError(f"master port {master_port} is already in use on this machine",
                           "choose another --master-port, or leave it out to pick a free one")
     return int(master_port)
@@ -192,10 +192,10 @@ def choose_port(layout: Layout, master_port: int | None) -> int | None:
 def prepare(spec: LaunchSpec) -> PreparedLaunch:
     """Validate a launch without starting anything (the dataset is built here on first use)."""
     s = spec
-    layout = check_layout(s.workers, s.nodes, s.node_rank, s.master_addr, s.master_port)
-    port = choose_port(layout, s.master_port)
+    placement = check_placement(s.workers, s.nodes, s.node_rank, s.master_addr, s.master_port)
+    port = choose_port(placement, s.master_port)
     cfg = resolve_config(s)
-    par = resolve_parallel(cfg, layout.total)
+    par = resolve_parallel(cfg, placement.total)
     cfg.parallel.parallel_mode = par.mode
     ds = run_dir.check_dataset(cfg)
     loader.check_layout(ds.n_samples, cfg.train.micro_batch, par.dp, 0, cfg.train.accum)
@@ -210,9 +210,9 @@ def prepare(spec: LaunchSpec) -> PreparedLaunch:
                                       steps=cfg.train.steps, shared=s.nodes > 1,
                                       fit=run_dir.ResumeFit(cfg, dataset=ds, global_batch=par.global_batch))
     cfg.output_dir = str(folder.output)
-    return PreparedLaunch(cfg=cfg, workers=s.workers, nodes=s.nodes, node_rank=s.node_rank, total=layout.total,
+    return PreparedLaunch(cfg=cfg, workers=s.workers, nodes=s.nodes, node_rank=s.node_rank, total=placement.total,
                           mode=par.mode, dp=par.dp, global_batch=par.global_batch, dataset=cfg.data.dataset,
-                          output=str(folder.output), master_addr=layout.master_addr, master_port=port,
+                          output=str(folder.output), master_addr=placement.master_addr, master_port=port,
                           resume=s.resume, start_step=folder.start_step)
 
 
