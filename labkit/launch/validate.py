@@ -1,5 +1,5 @@
-"""Everything a launch checks before any process starts (config, placement of workers, batch arithmetic, dataset, output folder,
-port), resolved into a PreparedLaunch, and the msrun command that starts it."""
+"""Everything a launch checks before any process starts (config, placement of workers, batch arithmetic, dataset,
+output folder, port), resolved into a PreparedLaunch, and the msrun command that starts it."""
 from __future__ import annotations
 
 import os
