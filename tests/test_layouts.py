@@ -44,7 +44,9 @@ def _bytes(names) -> int:
 def test_each_worker_holds_its_share(result):
     cfg = layouts.model_cfg()
     every = _bytes(scratch.shapes(cfg))
-    split = _bytes(n for n in scratch.shapes(cfg) if n.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT))
+    # tensor parallel splits every layer's matrices and, vocabulary-parallel, the embedding and the head
+    split = _bytes(n for n in scratch.shapes(cfg) if scratch.Shard(tp_size=2, vocab_parallel=True).splits(n))
+    assert split > _bytes(n for n in scratch.shapes(cfg) if n.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT))
     lay = result["layouts"]
     for w in lay["dp2"]["per_worker"]:
         assert w["held"] == {"params": every, "grads": every, "optimizer": 2 * every}
@@ -69,7 +71,8 @@ def test_pipeline_stash_follows_the_schedule(result):
 
 def test_each_worker_holds_what_the_planner_says_or_a_named_cause(result):
     """The planner's per-card weights, gradients and optimizer states against what each worker held; every
-    difference is a term `parallel_lab.explained` names (the whole head under TP, ZeRO-2's gradient shard)."""
+    difference is a term `parallel_lab.explained` names (the embedding split by vocabulary under TP, which the
+    planner keeps whole as mindformers' default does; ZeRO-2's gradient shard)."""
     rows = parallel_lab.against_planner(result)
     assert len(rows) == 3 * sum(len(r["per_worker"]) for r in result["layouts"].values())
     assert all(r["unexplained"] == 0 for r in rows), [r for r in rows if r["unexplained"]]
@@ -80,7 +83,7 @@ def test_bytes_sent_are_the_textbook_volumes(result):
     """At the collectives, the bytes of the tensors really passed, per step, against the formulas from the
     configuration; the process's own read/write counter carries at least that many."""
     rows = parallel_lab.comm_rows(result)
-    assert {r["dimension"] for r in rows} == {"dp", "tp", "sp", "pp", "zero"}
+    assert {r["dimension"] for r in rows} == {"dp", "tp", "sp", "pp", "zero", "vocab"}
     for r in rows:
         assert r["counted"] == pytest.approx(r["textbook"], rel=1e-9), r
         assert r["cpu_stand_in"] >= r["counted"]  # a reduce-scatter sent as an all-reduce: more, never less

@@ -140,11 +140,20 @@ def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
     return out
 
 
+def head_loss_count(lay, settings: dict = layouts.MEMORY_SETTINGS) -> float:
+    """The planner's bytes (float32, unfused norm as on CPU) of the final norm's, the logits' and the loss's tensors
+    on one worker of `lay` (a layouts Layout): the logits and the loss's copies of them split over tp when the head
+    is vocabulary-parallel, whole on every worker when it is not."""
+    mp = lay.tp if lay.tp > 1 and lay.vocab else 1
+    return loss_activations(layouts.model_cfg(settings), settings["seq_len"], settings["global_batch"], mp=mp,
+                            act_bytes=4, fused_norm=False)
+
+
 def activation_memory(folder: Path | None = None) -> dict:
     """Per layout of the probe: each worker's measured memory-pool peak (MiB, from its log), what it keeps between
     steps (parameters, gradients, optimizer states), and the planner's count (float32) of the activations a worker
-    stores for the backward pass and of the head's and loss's tensors (the head is not split: every worker holds
-    all of them), at the probe's sequence and batch."""
+    stores for the backward pass and of the head's and loss's tensors (`head_loss_count`), at the probe's sequence
+    and batch."""
     folder = folder or memory_runs("cached")
     s = layouts.MEMORY_SETTINGS
     cfg = layouts.model_cfg(s)
@@ -158,7 +167,7 @@ def activation_memory(folder: Path | None = None) -> dict:
                                                         sequence_parallel=lay.sp, numerics=Numerics(
                                                             flash_attention=False, fused_norm=False, fused_silu=False)
                                                         )["stored"]
-        loss = loss_activations(cfg, s["seq_len"], s["global_batch"], act_bytes=4, fused_norm=False)
+        loss = head_loss_count(lay, s)
         out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r["held"] for r in rows],
                                     "planner_stored_mib": stored / 2**20, "planner_loss_mib": loss / 2**20,
                                     "losses": [r["losses"] for r in rows]}
@@ -184,7 +193,7 @@ def gathered(rows: list[dict]) -> dict:
     replica = [r for r in rows if r["place"][0] == 0]
     for name in {n for r in replica for n in r["weights"]}:
         parts = [r["weights"][name] for r in replica if name in r["weights"]]
-        full[name] = scratch.unshard(name, parts) if lay["tp"] > 1 else parts[0]
+        full[name] = scratch.unshard(name, parts, lay.get("vocab", False)) if lay["tp"] > 1 else parts[0]
     return full
 
 
@@ -239,11 +248,15 @@ def explained(lay: dict, stage: str) -> dict:
     cfg = layouts.model_cfg()
     vocab_h = cfg.vocab_size * cfg.hidden_size
     out = {}
-    if lay["tp"] > 1 and not cfg.tie_word_embeddings:
-        # the planner splits the output layer over mp (a vocabulary-parallel head, as mindformers does); the lab's
-        # tensor parallel keeps the head whole on every worker (the vocabulary-parallel head is not written)
-        head = 4 * vocab_h * (1 - 1 / lay["tp"])
-        out.update({"params": head, "grads": head, "optimizer": 2 * head})
+    cut = 4 * vocab_h * (1 - 1 / lay["tp"])  # bytes of one vocabulary table a worker does not hold under tp
+    if lay["tp"] > 1 and lay.get("vocab"):
+        # the planner keeps the embedding whole on every worker (mindformers' default vocab_emb_dp: True); the lab's
+        # vocabulary-parallel embedding holds 1/tp of its rows (vocab_emb_dp: False, Megatron's VocabParallelEmbedding)
+        out.update({"params": -cut, "grads": -cut, "optimizer": -2 * cut})
+    elif lay["tp"] > 1 and not lay.get("vocab") and not cfg.tie_word_embeddings:
+        # the planner splits the output layer over mp (a vocabulary-parallel head, as mindformers does); a layout
+        # with vocab=False keeps the head whole on every worker
+        out.update({"params": cut, "grads": cut, "optimizer": 2 * cut})
     if lay["zero"] == 2:
         # ZeRO-2 keeps 1/dp of the gradients; the planner models optimizer sharding only (ZeRO-1)
         every = 4 * sum(int(np.prod(s)) for s in scratch.shapes(cfg).values())
@@ -273,15 +286,18 @@ def against_planner(result: dict) -> list[dict]:
 MAIN_OPS = {"tp": ("tp_all_reduce_fwd", "tp_all_reduce_bwd"),
             "sp": ("sp_all_gather_fwd", "sp_all_gather_bwd", "sp_reduce_scatter_fwd", "sp_reduce_scatter_bwd"),
             "dp": ("dp_all_reduce",), "zero": ("zero1_reduce_scatter", "zero2_reduce_scatter", "zero_all_gather"),
-            "pp": ("pp_activation", "pp_gradient")}
+            "pp": ("pp_activation", "pp_gradient"),
+            "vocab": ("vocab_embed_all_reduce_fwd", "vocab_head_all_reduce_bwd", "vocab_max_all_gather",
+                      "vocab_ce_all_reduce")}
 
 
 def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> dict:
     """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
     tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
     all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
-    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times); pipeline b·s·h per micro-batch per boundary, forward from stage 0, backward
-    from stage 1."""
+    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times); pipeline b·s·h per micro-batch
+    per boundary, forward from stage 0, backward from stage 1; the vocabulary-parallel embedding and head an
+    all-reduce of b·s·h each way and the loss's two small collectives over b·s tokens."""
     cfg = layouts.model_cfg(settings)
     s, h, L, g = settings["seq_len"], cfg.hidden_size, cfg.num_layers, settings["global_batch"]
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
@@ -291,18 +307,23 @@ def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> 
         out["sp" if lay["sp"] else "tp"] = 4 * L * ring(lay["tp"]) * act
     if lay["dp"] > 1:
         every = 4 * sum(int(np.prod(v)) for v in scratch.shapes(cfg).values())
-        per = every if lay["tp"] == 1 else every - _split_bytes(cfg) * (1 - 1 / lay["tp"])
+        per = every if lay["tp"] == 1 else every - _split_bytes(cfg, lay) * (1 - 1 / lay["tp"])
         out["zero" if lay["zero"] else "dp"] = ring(lay["dp"]) * per
         if lay["zero"] == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
             out["zero"] = (lay["micro"] + 1) * (lay["dp"] - 1) / lay["dp"] * per
+    if lay["tp"] > 1 and lay.get("vocab"):
+        # the embedding's partial lookups summed forward, the head input's gradient summed backward (b·s·h each);
+        # the loss: an all-gather of every worker's row maxima, an all-reduce of [2, b·s] (target logit, sum of exp)
+        tokens = g // lay["dp"] * s * 4
+        out["vocab"] = 2 * ring(lay["tp"]) * act + (lay["tp"] - 1) * tokens + ring(lay["tp"]) * 2 * tokens
     if lay["pp"] > 1:
         out["pp"] = act  # m micro-batches of b/m: one whole batch's activations (stage 0) or gradients (stage 1)
     return out
 
 
-def _split_bytes(cfg) -> int:
-    return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items()
-                   if k.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT))
+def _split_bytes(cfg, lay: dict) -> int:
+    shard = scratch.Shard(tp_size=lay["tp"], vocab_parallel=bool(lay.get("vocab")))
+    return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items() if shard.splits(k))
 
 
 def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:

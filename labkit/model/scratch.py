@@ -19,6 +19,15 @@ collectives (`labkit.parallel.collectives`):
     block_out(o)  after it (partial sums)            TP: all-reduce, backward identity  SP: reduce-scatter it
     seq_in(x)     after the embedding                SP: keep this worker's sequence chunk
     seq_out(x)    before the head                    SP: all-gather the sequence
+
+With a vocabulary-parallel embedding and head (Megatron-LM's VocabParallelEmbedding and
+vocab_parallel_cross_entropy; `Shard.vocab_parallel`), worker r of t also holds rows [r·V/t, (r+1)·V/t) of the
+embedding table and of the head (the same rows of the one table when they are tied), and three more hooks join
+the parts:
+
+    embed_sum(e)            the masked partial lookups       forward all-reduce, backward identity
+    head_in(h)              before the head's matmul          forward identity, backward all-reduce
+    cross_entropy(z, y)     the loss from logit slices        labkit.parallel.collectives.vocab_parallel_cross_entropy
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ class Shard:
     end_layer: int | None = None  # None: to the last layer
     tp_size: int = 1
     tp_rank: int = 0
+    vocab_parallel: bool = False  # the embedding and the head split by vocabulary rows over tp too
 
     def layers(self, cfg: ModelConfig) -> range:
         return range(self.first_layer, cfg.num_layers if self.end_layer is None else self.end_layer)
@@ -56,9 +66,15 @@ class Shard:
     def last(self, cfg: ModelConfig) -> bool:
         return self.layers(cfg).stop == cfg.num_layers
 
+    def splits(self, name: str) -> bool:
+        """Whether this shard holds a 1/tp_size slice of parameter `name` (else the whole of it)."""
+        if self.tp_size == 1:
+            return False
+        return name.endswith(ROW_SPLIT + COL_SPLIT) or self.vocab_parallel and name in (EMBED, HEAD)
+
 
 class Hooks:
-    """One card: every hook is the identity."""
+    """One card: every hook is the identity, and the loss is the plain cross-entropy."""
 
     def block_in(self, h):
         return h
@@ -72,6 +88,18 @@ class Hooks:
     def seq_out(self, x):
         return x
 
+    def embed_sum(self, e):
+        return e
+
+    def head_in(self, h):
+        return h
+
+    def cross_entropy(self, logits_, labels):
+        """Per-token cross-entropy [n] of logits [n, vocab] and labels [n]."""
+        from mindspore import ops
+
+        return ops.cross_entropy(logits_, labels, reduction="none")
+
 
 def check_shard(cfg: ModelConfig, shard: Shard) -> None:
     layers = shard.layers(cfg)
@@ -83,6 +111,9 @@ def check_shard(cfg: ModelConfig, shard: Shard) -> None:
         if n % shard.tp_size:
             raise LabkitError(f"tensor parallel {shard.tp_size} does not divide {name} {n}",
                               "choose a tensor-parallel size that divides the heads, the kv heads and the FFN width")
+    if shard.vocab_parallel and cfg.vocab_size % shard.tp_size:
+        raise LabkitError(f"tensor parallel {shard.tp_size} does not divide vocab_size {cfg.vocab_size}",
+                          "pad the vocabulary to a multiple of the tensor-parallel size, or keep the head whole")
 
 
 def names(cfg: ModelConfig, shard: Shard = Shard()) -> list[str]:
@@ -102,7 +133,7 @@ def names(cfg: ModelConfig, shard: Shard = Shard()) -> list[str]:
 def shard_array(name: str, full: np.ndarray, shard: Shard) -> np.ndarray:
     """This worker's slice of one full parameter."""
     n, r = shard.tp_size, shard.tp_rank
-    if name.endswith(ROW_SPLIT):
+    if name.endswith(ROW_SPLIT) or shard.vocab_parallel and name in (EMBED, HEAD):
         k = full.shape[0] // n
         return full[r * k:(r + 1) * k]
     if name.endswith(COL_SPLIT):
@@ -111,9 +142,9 @@ def shard_array(name: str, full: np.ndarray, shard: Shard) -> np.ndarray:
     return full
 
 
-def unshard(name: str, parts: list[np.ndarray]) -> np.ndarray:
+def unshard(name: str, parts: list[np.ndarray], vocab_parallel: bool = False) -> np.ndarray:
     """The full parameter from every tp rank's slice (in rank order)."""
-    if name.endswith(ROW_SPLIT):
+    if name.endswith(ROW_SPLIT) or vocab_parallel and name in (EMBED, HEAD):
         return np.concatenate(parts, axis=0)
     if name.endswith(COL_SPLIT):
         return np.concatenate(parts, axis=1)
@@ -219,16 +250,26 @@ def layer(p: dict, i: int, x, cfg: ModelConfig, shard: Shard, hooks: Hooks, fram
     return x + hooks.block_out(mlp(p, pre, h))
 
 
-def embed(p: dict, tokens, hooks: Hooks = Hooks()):
+def embed(p: dict, tokens, hooks: Hooks = Hooks(), shard: Shard = Shard()):
+    """The embedding rows of the tokens. Vocabulary-parallel: this worker's table holds rows [lo, lo + rows); a
+    token outside them looks up zeros, and `hooks.embed_sum` adds the workers' partial lookups."""
     from mindspore import ops
 
-    return hooks.seq_in(ops.gather(p[EMBED], tokens, 0))
+    table = p[EMBED]
+    if not shard.vocab_parallel or shard.tp_size == 1:
+        return hooks.seq_in(ops.gather(table, tokens, 0))
+    rows = table.shape[0]
+    local = tokens - shard.tp_rank * rows
+    inside = ops.logical_and(local >= 0, local < rows)
+    found = ops.gather(table, ops.where(inside, local, ops.zeros_like(local)), 0)
+    return hooks.seq_in(hooks.embed_sum(found * ops.expand_dims(inside.astype(found.dtype), -1)))
 
 
 def head(p: dict, x, cfg: ModelConfig, hooks: Hooks = Hooks()):
+    """Logits [b, s, rows of the head this worker holds] (every row on one card)."""
     from mindspore import ops
 
-    h = rms_norm(hooks.seq_out(x), p[NORM], cfg.rms_norm_eps)
+    h = hooks.head_in(rms_norm(hooks.seq_out(x), p[NORM], cfg.rms_norm_eps))
     return ops.matmul(h, p[EMBED if cfg.tie_word_embeddings else HEAD].T)
 
 
@@ -237,7 +278,7 @@ def stage(p: dict, x, mask, cfg: ModelConfig, shard: Shard = Shard(), hooks: Hoo
     residual stream [b, s, h] (sequence-sharded under SP) in between. `mask` [b, s]: 1 where the input is a token,
     0 where it is padding (every stage has it: it comes with the batch)."""
     if shard.first(cfg):
-        x = embed(p, x, hooks)
+        x = embed(p, x, hooks, shard)
     frame = Frame(*rope_tables(cfg, mask.shape[1]), mask_adder(mask))
     for i in shard.layers(cfg):
         x = layer(p, i, x, cfg, shard, hooks, frame)
@@ -254,14 +295,15 @@ def logits(p: dict, tokens, cfg: ModelConfig, pad_token_id: int | None = None):
     return stage(p, tokens, mask, cfg)
 
 
-def loss_terms(logits_, labels, mask):
+def loss_terms(logits_, labels, mask, hooks: Hooks = Hooks()):
     """(sum of masked token cross-entropies, number of counted tokens): the loss is their ratio, as mindformers
     computes it (mask = inputs that are not padding). Kept as two terms so that a layout that splits the batch can
-    sum both over its workers before dividing."""
+    sum both over its workers before dividing. `logits_` may be this worker's vocabulary slice: `hooks` then
+    computes the cross-entropy from the slices."""
     from mindspore import ops
 
     v = logits_.shape[-1]
-    ce = ops.cross_entropy(ops.reshape(logits_, (-1, v)), ops.reshape(labels, (-1,)), reduction="none")
+    ce = hooks.cross_entropy(ops.reshape(logits_, (-1, v)), ops.reshape(labels, (-1,)))
     return ops.sum(ce * ops.reshape(mask, (-1,))), ops.sum(mask)
 
 

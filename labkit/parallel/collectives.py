@@ -8,6 +8,12 @@ runs (2.9: AllReduce, AllGather and Broadcast; Broadcast only on the world group
     split_seq    forward keep my sequence chunk,    backward all-gather      (SP: after the embedding)
     unsplit_seq  forward all-gather of the sequence, backward keep my chunk  (SP: before a replicated head)
 
+and, for a vocabulary-parallel embedding and head (`VocabParallel`): the partial lookups' all-reduce, the head
+input's f, and the cross-entropy from logit slices (`vocab_parallel_cross_entropy`). The CPU backend's AllReduce
+sums only ("AllReduce only support reduce sum on CPU, but got max") and its AllGather runs on the world group only:
+the rows' maximum is the maximum over every worker's row maxima, gathered as a sum in which each worker fills its
+own slot of a [t, n] tensor of zeros (`stack_by_sum`: exact, the same value an all-reduce MAX gives).
+
 A reduce-scatter is an all-reduce followed by keeping one's own slice (the CPU backend has no ReduceScatter): the
 same result, but every worker holds the whole tensor for a moment and the wire carries an all-reduce's bytes.
 `Traffic` counts both: what this stand-in sent and what Ascend's HCCL would send for the real operation.
@@ -99,6 +105,18 @@ class Group:
         perm = _swap(x.ndim, axis)
         return ops.transpose(self.op("all_gather")(ops.transpose(x, perm)), perm)
 
+    def stack_by_sum(self, x, name: str = "stack_by_sum"):
+        """[size, *x.shape]: every worker's x in group order, on any group (the CPU backend's AllGather runs on the
+        world group only): an all-reduce where each worker fills its own slot with x and the others with zeros, so
+        every sum is one x plus zeros, exact. Counted as sent: the all-reduce; ideal: an all-gather of x."""
+        from mindspore import ops
+
+        if self.size == 1:
+            return ops.expand_dims(x, 0)
+        n = nbytes(x)
+        self.traffic.add(name, 2 * (self.size - 1) * n, (self.size - 1) * n)
+        return self.op("all_reduce")(ops.stack([x if i == self.index else ops.zeros_like(x) for i in range(self.size)]))
+
     def reduce_scatter(self, x, axis: int = 0, name: str = "reduce_scatter"):
         """The sum over workers, of which this worker keeps its 1/size slice along `axis` (all-reduce + slice)."""
         if self.size == 1:
@@ -173,12 +191,90 @@ def cells(group: Group) -> dict:
     }
 
 
-class TensorParallel:
+def ce_forward(logits, labels, group: Group):
+    """Per-token cross-entropy [n] from this worker's logit slice [n, V/t] (vocabulary rows [r·V/t, (r+1)·V/t) of
+    group index r) and the labels [n], and what its backward needs (softmax slice, label column, owned mask).
+
+        m = max over every worker's slice (a constant for the gradient: any shift common to the row is exact)
+        loss = log(sum_all exp(z - m)) - (z_label - m)     z_label from the worker that owns the label's row
+    Two collectives: the row maxima of every worker ([t, n], `Group.stack_by_sum`), one all-reduce of [2, n] (the
+    owner's target logit, zero elsewhere, and the slice's sum of exponentials)."""
+    from mindspore import ops
+
+    part = logits.shape[-1]
+    top = ops.amax(group.stack_by_sum(ops.amax(logits, -1), "vocab_max_all_gather"), 0)
+    z = logits - ops.expand_dims(top, -1)
+    local = labels - group.index * part
+    owned = ops.logical_and(local >= 0, local < part)
+    local = ops.where(owned, local, ops.zeros_like(local))
+    target = ops.squeeze(ops.gather_elements(z, 1, ops.expand_dims(local, -1)), -1) * owned.astype(z.dtype)
+    e = ops.exp(z)
+    both = group.all_reduce(ops.stack([target, ops.sum(e, -1)]), "vocab_ce_all_reduce")
+    return ops.log(both[1]) - both[0], (e / ops.expand_dims(both[1], -1), local, owned)
+
+
+def ce_backward(saved, dce):
+    """The gradient of the logit slice: (softmax - one-hot of the label where this worker owns it) · dloss."""
+    from mindspore import ops
+
+    softmax, local, owned = saved
+    hot = ops.one_hot(local, softmax.shape[-1], 1.0, 0.0).astype(softmax.dtype)
+    return (softmax - hot * ops.expand_dims(owned.astype(softmax.dtype), -1)) * ops.expand_dims(dce, -1)
+
+
+def vocab_parallel_cross_entropy(group: Group):
+    """f(logits [n, V/t], labels [n]) -> per-token cross-entropy [n], differentiable in the logits (Megatron-LM's
+    vocab_parallel_cross_entropy): the forward keeps the softmax slice for the backward, nothing else."""
+    from mindspore.common import _Function
+
+    def cross_entropy(logits, labels):
+        class Op(_Function):
+            @staticmethod
+            def forward(ctx, x):
+                out, saved = ce_forward(x, labels, group)
+                ctx.save_for_backward(*saved)
+                return out
+
+            @staticmethod
+            def backward(ctx, dout):
+                return ce_backward(ctx.saved_tensors, dout)
+
+        return Op.apply(logits)
+
+    return cross_entropy
+
+
+class VocabParallel:
+    """The vocabulary hooks of a tensor-parallel group (scratch.Hooks): `vocab` = True splits the embedding and the
+    head by vocabulary rows (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy), False keeps both
+    whole on every worker."""
+
+    def _vocab(self, group: Group, vocab: bool) -> None:
+        if not vocab:
+            return
+        self.embed_sum = differentiable(lambda x: group.all_reduce(x, "vocab_embed_all_reduce_fwd"), lambda d: d)
+        self.head_in = differentiable(lambda x: x, lambda d: group.all_reduce(d, "vocab_head_all_reduce_bwd"))
+        self.cross_entropy = vocab_parallel_cross_entropy(group)
+
+    def embed_sum(self, e):
+        return e
+
+    def head_in(self, h):
+        return h
+
+    def cross_entropy(self, logits, labels):
+        from mindspore import ops
+
+        return ops.cross_entropy(logits, labels, reduction="none")
+
+
+class TensorParallel(VocabParallel):
     """The model's hooks (labkit.model.scratch.Hooks) for Megatron tensor parallelism over `group`."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, vocab: bool = True):
         c = cells(group)
         self.block_in, self.block_out = c["copy_in"], c["reduce_out"]
+        self._vocab(group, vocab)
 
     def seq_in(self, x):
         return x
@@ -187,14 +283,15 @@ class TensorParallel:
         return x
 
 
-class SequenceParallel:
+class SequenceParallel(VocabParallel):
     """The hooks for tensor + sequence parallelism (Korthikanti et al. 2022): the residual stream and the norms are
     split along the sequence; all-gather before each TP block, reduce-scatter after it."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, vocab: bool = True):
         c = cells(group)
         self.block_in, self.block_out = c["gather_seq"], c["scatter_seq"]
         self.seq_in, self.seq_out = c["split_seq"], c["unsplit_seq"]
+        self._vocab(group, vocab)
 
 
 def make_group(ranks, rank: int, world_size: int, traffic: Traffic | None = None) -> Group:

@@ -48,8 +48,10 @@ REFERENCE = Layout("single")
 # The activation-memory probe: MindSpore prints its memory pool's peak when a process ends, so each layout measured
 # has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
 # enough for the norm tensors sequence parallelism splits (8 x 256 x 256 floats = 2 MiB each) to stand out of the
-# pool's 1 MiB print resolution.
-MEMORY_LAYOUTS = [Layout("single"), Layout("tp2", tp=2), Layout("sp2", tp=2, sp=True)]
+# pool's 1 MiB print resolution. tp2_whole_vocab is tp2 with the embedding and the head kept whole on each worker:
+# what the vocabulary-parallel head and loss save.
+MEMORY_LAYOUTS = [Layout("single"), Layout("tp2", tp=2), Layout("sp2", tp=2, sp=True),
+                  Layout("tp2_whole_vocab", tp=2, vocab=False)]
 MEMORY_SETTINGS = dict(SETTINGS, seq_len=256, steps=1)
 
 

@@ -38,6 +38,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sp: bool = False  # sequence parallel (needs tp > 1)
+    vocab: bool = True  # with tp > 1: the embedding and the head split by vocabulary rows (False: whole on each)
     zero: int = 0  # 0: every worker keeps all optimizer states; 1: states sharded over dp; 2: gradients too
     micro: int = 1  # micro-batches per step: pipeline micro-batches, or accumulation steps elsewhere
     schedule: str = "1f1b"  # pipeline schedule
@@ -73,7 +74,7 @@ def stage_shard(cfg: ModelConfig, layout: Layout, rank: int) -> scratch.Shard:
     _, stage, tp_index = layout.place(rank)
     per = math.ceil(cfg.num_layers / layout.pp)
     return scratch.Shard(first_layer=stage * per, end_layer=min(cfg.num_layers, (stage + 1) * per),
-                         tp_size=layout.tp, tp_rank=tp_index)
+                         tp_size=layout.tp, tp_rank=tp_index, vocab_parallel=layout.vocab and layout.tp > 1)
 
 
 # ------------------------------------------------------------------------------------------ AdamW, written out
@@ -119,7 +120,8 @@ class Worker:
         self.params = scratch.parameters(full, cfg, self.shard, dtype)
         self.names = list(self.params)
         tp = groups["tp"]
-        self.hooks = (SequenceParallel(tp) if layout.sp else TensorParallel(tp)) if layout.tp > 1 else scratch.Hooks()
+        self.hooks = ((SequenceParallel if layout.sp else TensorParallel)(tp, layout.vocab) if layout.tp > 1
+                      else scratch.Hooks())
         self.decay = {n: (optim.weight_decay if len(self.params[n].shape) > 1 else 0.0) for n in self.names}
         if layout.zero:
             self.flat = Flat([self.params[n].shape for n in self.names], groups["dp"].size)
@@ -138,7 +140,7 @@ class Worker:
 
     # which parameters are split over tp (their square sums add over tp) and which the SP norms are
     def tp_split(self, name: str) -> bool:
-        return self.layout.tp > 1 and name.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT)
+        return self.shard.splits(name)
 
     def sp_partial(self, name: str) -> bool:
         return self.layout.sp and name.endswith(("attention_norm.weight", "ffn_norm.weight"))
@@ -146,7 +148,7 @@ class Worker:
     def loss_fn(self, tokens, labels, mask, count):
         def f():
             out = scratch.stage(self.params, tokens, mask, self.cfg, self.shard, self.hooks)
-            return scratch.loss_terms(out, labels, mask)[0] / count
+            return scratch.loss_terms(out, labels, mask, self.hooks)[0] / count
         return f
 
     def train_step(self, micro_batches: list) -> dict:
