@@ -142,7 +142,7 @@ def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
 
 def head_loss_count(lay, settings: dict = layouts.MEMORY_SETTINGS) -> float:
     """The planner's bytes (float32, unfused norm as on CPU) of the final norm's, the logits' and the loss's tensors
-    on one worker of `lay` (a layouts Layout): the logits and the loss's copies of them split over tp when the head
+    on one worker of `lay` (a HandLayout): the logits and the loss's copies of them split over tp when the head
     is vocabulary-parallel, whole on every worker when it is not."""
     mp = lay.tp if lay.tp > 1 and lay.vocab else 1
     return loss_activations(layouts.model_cfg(settings), settings["seq_len"], settings["global_batch"], mp=mp,

@@ -50,7 +50,6 @@ READING_RATE = {"zh_chars": 300, "en_words": 200, "code_lines": 15}  # per minut
 def reading_minutes(notebook: Path) -> float:
     """How long reading a notebook takes, from its length: its Chinese prose at 300 characters a minute (its English
     is the same content, read instead) and its code at 15 lines a minute. An estimate from counted text, stated as such."""
-    import re
 
     book = json.loads(Path(notebook).read_text(encoding="utf-8"))
     zh = en = code = 0

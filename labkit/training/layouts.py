@@ -35,23 +35,23 @@ from labkit.model import scratch
 from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
 from labkit.runtime import prepare_process
 from labkit.training.pipeline import pipeline_step
-from labkit.training.sharded import Layout, Optim, Worker
+from labkit.training.sharded import HandLayout, Optim, Worker
 
 LAYOUTS = {
-    2: [Layout("dp2", dp=2), Layout("tp2", tp=2), Layout("sp2", tp=2, sp=True),
-        Layout("pp2_gpipe", pp=2, micro=4, schedule="gpipe"), Layout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
-        Layout("zero1", dp=2, zero=1, micro=2), Layout("zero2", dp=2, zero=2, micro=2)],
-    4: [Layout("dp2_tp2", dp=2, tp=2)],
+    2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
+        HandLayout("pp2_gpipe", pp=2, micro=4, schedule="gpipe"), HandLayout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
+        HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2)],
+    4: [HandLayout("dp2_tp2", dp=2, tp=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
-REFERENCE = Layout("single")
+REFERENCE = HandLayout("single")
 # The activation-memory probe: MindSpore prints its memory pool's peak when a process ends, so each layout measured
 # has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
 # enough for the norm tensors sequence parallelism splits (8 x 256 x 256 floats = 2 MiB each) to stand out of the
 # pool's 1 MiB print resolution. tp2_whole_vocab is tp2 with the embedding and the head kept whole on each worker:
 # what the vocabulary-parallel head and loss save.
-MEMORY_LAYOUTS = [Layout("single"), Layout("tp2", tp=2), Layout("sp2", tp=2, sp=True),
-                  Layout("tp2_whole_vocab", tp=2, vocab=False)]
+MEMORY_LAYOUTS = [HandLayout("single"), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
+                  HandLayout("tp2_whole_vocab", tp=2, vocab=False)]
 MEMORY_SETTINGS = dict(SETTINGS, seq_len=256, steps=1)
 
 
@@ -59,7 +59,7 @@ def model_cfg(settings: dict = SETTINGS):
     return model_preset(settings["preset"])
 
 
-def step_batches(layout: Layout, dp_index: int, settings: dict = SETTINGS):
+def step_batches(layout: HandLayout, dp_index: int, settings: dict = SETTINGS):
     """Per optimizer step, the list of micro-batches (token ids [b, s+1]) this data-parallel index reads."""
     dataset = ensure_dataset(settings["seq_len"], progress=False)
     mb = settings["global_batch"] // (layout.dp * layout.micro)
@@ -68,7 +68,7 @@ def step_batches(layout: Layout, dp_index: int, settings: dict = SETTINGS):
         yield [next(it) for _ in range(layout.micro)]
 
 
-def groups_of(layout: Layout, rank: int, world: int, traffic: Traffic) -> dict:
+def groups_of(layout: HandLayout, rank: int, world: int, traffic: Traffic) -> dict:
     d, s, t = layout.place(rank)
     tp, pp = layout.tp, layout.pp
     members = {"tp": [(d * pp + s) * tp + i for i in range(tp)],
@@ -79,7 +79,7 @@ def groups_of(layout: Layout, rank: int, world: int, traffic: Traffic) -> dict:
     return {k: make_group(v, rank, world, traffic) for k, v in members.items()}
 
 
-def train_layout(layout: Layout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
+def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
                  dtype=np.float32) -> dict:
     cfg = model_cfg(settings)
     layout.check(cfg, settings["global_batch"])
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     _context()
     out = Path(args.out)
     if args.what == "reference":
-        ref = Layout(f"single_{args.dtype}")
+        ref = HandLayout(f"single_{args.dtype}")
         train_layout(ref, 0, 1, out, dtype=np.dtype(args.dtype).type)
         return 0
     from mindspore.communication import get_group_size, get_rank, init
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
             train_layout(layout, rank, world, out)
     if world == 2 and not wanted:  # start-up is paid: the two references run here, one per worker, side by side
         dtype = ("float32", "float64")[rank]
-        train_layout(Layout(f"single_{dtype}"), 0, 1, out, dtype=np.dtype(dtype).type)  # a world of one
+        train_layout(HandLayout(f"single_{dtype}"), 0, 1, out, dtype=np.dtype(dtype).type)  # a world of one
     return 0
 
 

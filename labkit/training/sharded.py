@@ -2,7 +2,7 @@
 workers, with the trainer's step: the token-mean cross-entropy, global-norm clipping, AdamW with weight decay on the
 matrices, the warmup-cosine schedule.
 
-A `Layout` places rank = (dp_index * pp + pp_index) * tp + tp_index (tensor parallel innermost, as Megatron does).
+A `HandLayout` places rank = (dp_index * pp + pp_index) * tp + tp_index (tensor parallel innermost, as Megatron does).
 One optimizer step, whatever the layout:
 
     1. read this worker's part of the global batch (the loader's order contract: every layout sees the same samples)
@@ -32,7 +32,10 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
-class Layout:
+class HandLayout:
+    """How one hand-written run spreads over its workers. labkit.layout.Layout describes what a config asks the
+    framework (mindformers' parallel_config) to do; this one is what the lab itself runs on CPU workers."""
+
     name: str
     dp: int = 1
     tp: int = 1
@@ -70,7 +73,7 @@ class Layout:
                               f"micro {self.micro}")
 
 
-def stage_shard(cfg: ModelConfig, layout: Layout, rank: int) -> scratch.Shard:
+def stage_shard(cfg: ModelConfig, layout: HandLayout, rank: int) -> scratch.Shard:
     _, stage, tp_index = layout.place(rank)
     per = math.ceil(cfg.num_layers / layout.pp)
     return scratch.Shard(first_layer=stage * per, end_layer=min(cfg.num_layers, (stage + 1) * per),
@@ -111,7 +114,7 @@ def adamw(p, g, m, v, lr: float, wd, o: Optim):
 class Worker:
     """One worker's parameters, optimizer states and groups for a layout (all but the pipeline's step)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, full: dict, rank: int, groups: dict, optim: Optim,
+    def __init__(self, cfg: ModelConfig, layout: HandLayout, full: dict, rank: int, groups: dict, optim: Optim,
                  dtype=np.float32):
         import mindspore as ms
 
