@@ -70,7 +70,7 @@ class Shard:
         """Whether this shard holds a 1/tp_size slice of parameter `name` (else the whole of it)."""
         if self.tp_size == 1:
             return False
-        return name.endswith(ROW_SPLIT + COL_SPLIT) or self.vocab_parallel and name in (EMBED, HEAD)
+        return name.endswith(COL_SPLIT) or split_by_rows(name, self.vocab_parallel)
 
 
 class Hooks:
@@ -130,10 +130,16 @@ def names(cfg: ModelConfig, shard: Shard = Shard()) -> list[str]:
     return out
 
 
+def split_by_rows(name: str, vocab_parallel: bool) -> bool:
+    """Whether tensor parallelism splits parameter `name` by rows: the column-parallel matrices, and the embedding and
+    the head when they are vocabulary-parallel."""
+    return name.endswith(ROW_SPLIT) or vocab_parallel and name in (EMBED, HEAD)
+
+
 def shard_array(name: str, full: np.ndarray, shard: Shard) -> np.ndarray:
     """This worker's slice of one full parameter."""
     n, r = shard.tp_size, shard.tp_rank
-    if name.endswith(ROW_SPLIT) or shard.vocab_parallel and name in (EMBED, HEAD):
+    if split_by_rows(name, shard.vocab_parallel):
         k = full.shape[0] // n
         return full[r * k:(r + 1) * k]
     if name.endswith(COL_SPLIT):
@@ -144,7 +150,7 @@ def shard_array(name: str, full: np.ndarray, shard: Shard) -> np.ndarray:
 
 def unshard(name: str, parts: list[np.ndarray], vocab_parallel: bool = False) -> np.ndarray:
     """The full parameter from every tp rank's slice (in rank order)."""
-    if name.endswith(ROW_SPLIT) or vocab_parallel and name in (EMBED, HEAD):
+    if split_by_rows(name, vocab_parallel):
         return np.concatenate(parts, axis=0)
     if name.endswith(COL_SPLIT):
         return np.concatenate(parts, axis=1)

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from labkit.model.scratch import Hooks
+
 SEQ = 1  # the sequence axis of [batch, seq, hidden]
 
 
@@ -244,10 +246,10 @@ def vocab_parallel_cross_entropy(group: Group):
     return cross_entropy
 
 
-class VocabParallel:
-    """The vocabulary hooks of a tensor-parallel group (scratch.Hooks): `vocab` = True splits the embedding and the
-    head by vocabulary rows (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy), False keeps both
-    whole on every worker."""
+class VocabParallel(Hooks):
+    """The vocabulary hooks of a tensor-parallel group, the other hooks one card's (scratch.Hooks): `vocab` = True
+    splits the embedding and the head by vocabulary rows (Megatron's VocabParallelEmbedding and
+    vocab_parallel_cross_entropy), False keeps both whole on every worker."""
 
     def _vocab(self, group: Group, vocab: bool) -> None:
         if not vocab:
@@ -255,17 +257,6 @@ class VocabParallel:
         self.embed_sum = differentiable(lambda x: group.all_reduce(x, "vocab_embed_all_reduce_fwd"), lambda d: d)
         self.head_in = differentiable(lambda x: x, lambda d: group.all_reduce(d, "vocab_head_all_reduce_bwd"))
         self.cross_entropy = vocab_parallel_cross_entropy(group)
-
-    def embed_sum(self, e):
-        return e
-
-    def head_in(self, h):
-        return h
-
-    def cross_entropy(self, logits, labels):
-        from mindspore import ops
-
-        return ops.cross_entropy(logits, labels, reduction="none")
 
 
 class TensorParallel(VocabParallel):
@@ -275,12 +266,6 @@ class TensorParallel(VocabParallel):
         c = cells(group)
         self.block_in, self.block_out = c["copy_in"], c["reduce_out"]
         self._vocab(group, vocab)
-
-    def seq_in(self, x):
-        return x
-
-    def seq_out(self, x):
-        return x
 
 
 class SequenceParallel(VocabParallel):

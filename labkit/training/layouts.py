@@ -39,7 +39,8 @@ from labkit.training.sharded import HandLayout, Optim, Worker
 
 LAYOUTS = {
     2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
-        HandLayout("pp2_gpipe", pp=2, micro=4, schedule="gpipe"), HandLayout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
+        HandLayout("pp2_gpipe", pp=2, micro=4, schedule="gpipe"),
+        HandLayout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
         HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2)],
     4: [HandLayout("dp2_tp2", dp=2, tp=2)],
 }
