@@ -168,7 +168,7 @@ def predict(c: dict, gemm_flops: float, gemm_cpu: float) -> dict:
 
     cfg = model_config(c)
     m = memory_breakdown(cfg, Layout(micro_batch=c["batch"], recompute=Recompute.parse(c["recompute"])),
-                         seq_len=c["seq"], numerics=Numerics(precision="fp32", flash_attention=False,
+                         seq_len=c["seq"], numerics=Numerics(amp_level="O0", flash_attention=False,
                                                              fused_norm=False, fused_silu=False))
     mb = GIB / 2**20
     adamw_mb = adamw_early_bytes(m["params"]) / 2**20
@@ -302,7 +302,7 @@ def calibrate(configs: dict, steps: int, ci: bool) -> dict:
         "notes": [
             "pool = MindSpore's memory-pool peak of live tensors ('peak used mem', whole MiB rounded down), at the end "
             "of the forward pass; compared with the activations of labkit.parallel.memory.memory_breakdown(numerics="
-            "Numerics(precision='fp32', flash_attention=False, fused_norm=False, fused_silu=False)) + AdamW's fp32 "
+            "Numerics(amp_level='O0', flash_attention=False, fused_norm=False, fused_silu=False)) + AdamW's fp32 "
             "weight-decay products "
             "(labkit.parallel.memory.adamw_early_bytes, 4 bytes per parameter, computed at the start of the step). The fixed "
             "rest (~4 MiB: the embedding's first AdamW moment product, RoPE tables) cancels in the differences",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from labkit.errors import LabkitError
-from labkit.layout import Layout, Recompute
+from labkit.layout import Layout, OptimizerParallel, Recompute
 from labkit.io import read_yaml_file
 from labkit.paths import lab_path
 
@@ -338,7 +338,7 @@ class TrainConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norm gains)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
-    amp_level: Literal["O0", "O1", "O2", "O3"] = "O0"  # mixed precision level (see labkit.config.AMP_LEVELS)
+    amp_level: Literal["O0", "O1", "O2", "O3", "fp16", "bf16"] = "O0"  # mixed precision (labkit.config.AMP_LEVELS)
     loss_scale: float = 65536.0  # initial dynamic loss scale (used with O1-O3)
     scale_window: int = 1000  # steps without overflow before the loss scale grows by scale_factor
     scale_factor: int = 2  # loss-scale growth/shrink factor
@@ -381,7 +381,15 @@ class ParallelConfig:
     dp: int | None = None  # data-parallel size; null = all workers (data_parallel) or the planner's choice
     mp: int = 1  # tensor (model) parallel size (semi_auto/auto only)
     pp: int = 1  # pipeline stages (semi_auto/auto only)
-    optimizer_shard: bool = False  # shard optimizer states over dp (MindSpore parallel optimizer; semi_auto/auto)
+    optimizer_shard: bool = False  # MindSpore's parallel optimizer (enable_parallel_optimizer; semi_auto/auto):
+    # weights and optimizer states sharded over dp, gathered before use (labkit.layout.OptimizerParallel)
+    optimizer_level: Literal["level1", "level2", "level3"] = "level1"  # parallel_optimizer_config.optimizer_level:
+    # level2 also shards the gradients and the accumulation buffer, level3 gathers the weights again for backward
+    gradient_accumulation_shard: bool = False  # shard the accumulation buffer over dp (what level2 replaces)
+    optimizer_threshold_kb: int = 64  # parallel_optimizer_threshold: parameters under this size (KB) stay whole
+    optimizer_weight_shard_size: int = -1  # optimizer_weight_shard_size: -1 = the parameter's whole dp group
+    optimizer_comm_recompute: bool = False  # recompute_config.parallel_optimizer_comm_recompute: recomputed
+    # layers gather their weights again in the backward pass
     search_mode: Literal["sharding_propagation", "recursive_programming"] = "sharding_propagation"  # auto_parallel
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"  # MindSpore device target
     cluster_timeout_s: int = 120  # seconds every process waits for all workers of all nodes to join (msrun
@@ -389,6 +397,15 @@ class ParallelConfig:
 
     def validate(self, where: str = "parallel"):
         _positive(self, where, "dp", "mp", "pp", "cluster_timeout_s")
+        self.optimizer().check(where)
+
+    def optimizer(self) -> OptimizerParallel:
+        """How MindSpore shards when optimizer_shard is on."""
+        return OptimizerParallel(level=self.optimizer_level,
+                                 gradient_accumulation_shard=self.gradient_accumulation_shard,
+                                 threshold_kb=self.optimizer_threshold_kb,
+                                 weight_shard_size=self.optimizer_weight_shard_size,
+                                 comm_recompute=self.optimizer_comm_recompute)
 
 
 @dataclass
@@ -412,7 +429,7 @@ class RunConfig:
         """The run's parallel layout (dp None: 1)."""
         t, p = self.train, self.parallel
         return Layout(dp=p.dp or 1, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
-                      recompute=t.recompute, optimizer_shard=p.optimizer_shard)
+                      recompute=t.recompute, optimizer_shard=p.optimizer_shard, optimizer=p.optimizer())
 
     def model_config(self) -> ModelConfig:
         """The model (`self.model`)."""
@@ -439,17 +456,31 @@ def dump_run_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
-# Mixed-precision levels, in MindSpore's terms, mapped onto what mindformers' Llama can express.
+# Mixed-precision levels: the dtypes mindformers' LlamaConfig gets (compute_dtype, param_init_type,
+# softmax_compute_type, layernorm_compute_type, embedding_init_type (None: param_init_type), rotary_dtype).
 #   O0: everything float32.
 #   O1: MindSpore's white-list casting (`ms.amp.auto_mixed_precision(net, "O1")`) on the float32 model.
-#   O2: float16 compute, float32 master weights, norms and softmax in float32 (what mindformers' own configs do;
-#       `auto_mixed_precision(net, "O2")` breaks the attention BatchMatMul's dtypes in mindformers 1.9.0).
+#   O2: float16 compute on float32 weights, norms and softmax in float32 (`auto_mixed_precision(net, "O2")` breaks
+#       the attention BatchMatMul's dtypes in mindformers 1.9.0, so the dtypes are set in the model instead).
 #   O3: float16 everywhere, weights included.
-# O1-O3 use dynamic loss scaling.
+#   fp16, bf16: mindformers' own Llama-2-7B pretraining recipes (r1.5.0 configs/llama2/pretrain_llama2_7b.yaml
+#       and pretrain_llama2_7b_bf16.yaml): float16 weights (the bf16 recipe's embedding bfloat16), float32 norms,
+#       float16 softmax, compute float16 / bfloat16. No float32 master copy: the AdamW moments are the only
+#       float32 state (labkit.parallel.census counts what each level allocates).
+# Every level computing in float16 uses dynamic loss scaling (loss_scaled); bfloat16 needs none.
 AMP_LEVELS = {
     "O0": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
     "O1": dict(compute_dtype="float32", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
     "O2": dict(compute_dtype="float16", param_dtype="float32", softmax_dtype="float32", norm_dtype="float32"),
     "O3": dict(compute_dtype="float16", param_dtype="float16", softmax_dtype="float16", norm_dtype="float16"),
+    "fp16": dict(compute_dtype="float16", param_dtype="float16", softmax_dtype="float16", norm_dtype="float32",
+                 rotary_dtype="float16"),
+    "bf16": dict(compute_dtype="bfloat16", param_dtype="float16", softmax_dtype="float16", norm_dtype="float32",
+                 embedding_dtype="bfloat16", rotary_dtype="float32"),
 }
 
+
+def loss_scaled(amp_level: str) -> bool:
+    """Whether a level trains with dynamic loss scaling: every level that computes in float16 (O1's white list
+    included); O0 and bfloat16 compute need none (bfloat16 has float32's exponent range)."""
+    return amp_level != "O0" and AMP_LEVELS[amp_level]["compute_dtype"] != "bfloat16"

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from labkit.errors import LabkitError
 
-RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")  # the planner's modes, each for every decoder layer
 RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"
 
 
@@ -105,6 +106,49 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class OptimizerParallel:
+    """MindSpore's parallel optimizer, as `parallel.parallel_optimizer_config` and the recompute config set it; in
+    force when the layout's `optimizer_shard` (`enable_parallel_optimizer`) is on. MindSpore 2.9's own words
+    (`mindspore/context.py`, `set_auto_parallel_context`, `parallel_optimizer_config`): level1 splits the weights
+    and the optimizer state over the data-parallel devices, level2 also the gradients (it replaces
+    `gradient_accumulation_shard`, which shards the accumulation buffer), level3 also all-gathers the weights again
+    before the backward pass "to release the memory used by the forward pass allgather". Parameters smaller than
+    `threshold_kb` (shape product x dtype size, KB) are not sharded; `weight_shard_size` caps the shard group
+    (-1: the parameter's whole data-parallel group). `comm_recompute` is mindformers'
+    `recompute_config.parallel_optimizer_comm_recompute`: the all-gathers of recomputed layers are recomputed."""
+
+    level: Literal["level1", "level2", "level3"] = "level1"
+    gradient_accumulation_shard: bool = False
+    threshold_kb: int = 64
+    weight_shard_size: int = -1
+    comm_recompute: bool = False
+
+    def check(self, where: str = "parallel") -> None:
+        if self.level not in OPTIMIZER_LEVELS:
+            raise LabkitError(f"{where}.optimizer_level = {self.level!r} is not one of MindSpore's",
+                              f"use {', '.join(OPTIMIZER_LEVELS)}")
+        if self.gradient_accumulation_shard and self.level != "level2":
+            raise LabkitError(f"{where}: gradient_accumulation_shard with optimizer_level {self.level}: MindSpore 2.9 "
+                              "refuses it (set_parallel_optimizer_config)", "use optimizer_level level2, which "
+                              "shards the accumulation buffer itself")
+        if self.threshold_kb < 0 or self.weight_shard_size == 0 or self.weight_shard_size < -1:
+            raise LabkitError(f"{where}: parallel_optimizer_threshold ({self.threshold_kb} KB) must be >= 0 and "
+                              f"optimizer_weight_shard_size ({self.weight_shard_size}) -1 or positive",
+                              "as MindSpore's parallel_optimizer_config accepts them")
+
+    def shards_gradients(self) -> bool:
+        """Whether the gradients (and the accumulation buffer) are kept 1/shard: level2, level3, or
+        gradient_accumulation_shard."""
+        return self.level != "level1" or self.gradient_accumulation_shard
+
+    def shard_size(self, dp: int) -> int:
+        """Devices one parameter's slices spread over: the data-parallel group, or weight_shard_size when it divides
+        it (MindSpore ignores a size that does not)."""
+        s = self.weight_shard_size
+        return s if 0 < s <= dp and dp % s == 0 else dp
+
+
+@dataclass(frozen=True)
 class Layout:
     """How one training step is spread over devices: data, tensor (model) and pipeline parallel sizes, samples per
     device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded over dp, and
@@ -118,6 +162,7 @@ class Layout:
     recompute: Recompute = Recompute()
     optimizer_shard: bool = False
     sequence_parallel: bool = False
+    optimizer: OptimizerParallel = OptimizerParallel()  # how MindSpore shards when optimizer_shard is on
 
     KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")  # a planner row's layout
 
@@ -130,10 +175,12 @@ class Layout:
         return self.micro_batch * self.dp * self.accum
 
     @classmethod
-    def of(cls, row: dict, sequence_parallel: bool = False) -> Layout:
+    def of(cls, row: dict, sequence_parallel: bool = False,
+           optimizer: OptimizerParallel = OptimizerParallel()) -> Layout:
         """The layout of a planner row (or any mapping with the KEYS)."""
         return cls(**{k: row[k] for k in cls.KEYS if k != "recompute"},
-                   recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel)
+                   recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel,
+                   optimizer=optimizer)
 
     def row(self) -> dict:
         """The KEYS as a planner row holds them (recompute as text: the planner's mode when every layer does it)."""

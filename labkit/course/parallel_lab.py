@@ -24,12 +24,14 @@ from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
 from labkit.model import scratch
-from labkit.parallel.memory import MOMENT_BYTES, Numerics, layer_activations, loss_activations, stage_params
+from labkit.layout import Layout
+from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
 from labkit.paths import ROOT, RUNS
 from labkit.training import layouts
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
 
 CACHE = RUNS / "parallel_lab"
+CPU = Numerics(amp_level="O0", flash_attention=False, fused_norm=False, fused_silu=False)  # how the layouts compute
 SOURCES = ("labkit/model/scratch.py", "labkit/parallel/collectives.py", "labkit/training/sharded.py",
            "labkit/training/pipeline.py", "labkit/training/layouts.py", "labkit/data/loader.py")
 MODES = ("auto", "run", "cached")
@@ -164,9 +166,7 @@ def activation_memory(folder: Path | None = None) -> dict:
         peaks = [pool_peak_mb((launch / "logs" / f"worker_{r['rank']}.log").read_text(errors="replace"))
                  for r in rows]
         stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"], s["global_batch"], mp=lay.tp,
-                                                        sequence_parallel=lay.sp, numerics=Numerics(
-                                                            flash_attention=False, fused_norm=False, fused_silu=False)
-                                                        )["stored"]
+                                                        sequence_parallel=lay.sp, numerics=CPU)["stored"]
         loss = head_loss_count(lay, s)
         out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r["held"] for r in rows],
                                     "planner_stored_mib": stored / 2**20, "planner_loss_mib": loss / 2**20,
@@ -233,12 +233,15 @@ def compare(root: Path | None = None) -> dict:
 
 
 def planner_lines(lay: dict, stage: str | None = None) -> dict:
-    """The planner's bytes per worker (float32 weights, gradients and AdamW moments) for a layout, per stage."""
+    """The planner's bytes per worker (float32 weights, gradients and AdamW moments, memory.model_states with the
+    O0 census) for a layout, per stage. ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
+    planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting."""
     cfg = layouts.model_cfg()
-    stages = stage_params(cfg, lay["tp"], lay["pp"])
-    params = stages[stage or ("only" if lay["pp"] == 1 else "first")]["params"]
-    return {"params": 4 * params, "grads": 4 * params,
-            "optimizer": MOMENT_BYTES * params / (lay["dp"] if lay["zero"] else 1)}
+    st = stage_weights(cfg, lay["pp"])[stage or ("only" if lay["pp"] == 1 else "first")]
+    layout = Layout(dp=lay["dp"], mp=lay["tp"], pp=lay["pp"], accum=lay["micro"])
+    s = model_states(cfg, layout, CPU, st)
+    return {"params": s["weights"], "grads": s["gradients"],
+            "optimizer": s["optimizer"] / (lay["dp"] if lay["zero"] else 1)}
 
 
 # Where the lab's hand-written layouts hold something else than the planner counts, and why (bytes per worker).

@@ -54,7 +54,7 @@ def planner_activations_mb(cfg, seq_len: int, micro_batch: int) -> float:
     """The planner's activations of one micro-batch on this CPU (fp32, no flash attention, unfused RMSNorm and
     SiLU), MiB: what MindSpore's memory pool holds at the end of the forward pass, its peak; weights are
     Parameters, outside the pool."""
-    cpu = Numerics(precision="fp32", flash_attention=False, fused_norm=False, fused_silu=False)
+    cpu = Numerics(amp_level="O0", flash_attention=False, fused_norm=False, fused_silu=False)
     return memory_breakdown(cfg, Layout(micro_batch=micro_batch), seq_len=seq_len,
                             numerics=cpu)["activations"] * 1024  # GiB -> MiB
 

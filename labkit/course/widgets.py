@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 
+from labkit.config import AMP_LEVELS
 from labkit.course.nb import headless
 from labkit.course.pretrain.params import DEFAULTS, PARAMS, PRESETS
 from labkit.course.pretrain.runspec import resolve
@@ -17,7 +18,7 @@ from labkit.errors import LabkitError
 FIELDS = ("preset", "device_target", "devices", "nodes", "device_memory_gib", "dp", "mp", "pp", "optimizer_shard",
           "micro_batch", "accum", "global_batch", "seq_len", "recompute", "amp_level", "lr", "warmup_steps",
           "min_lr", "steps", "save_every")
-CHOICES = {"device_target": [None, "CPU", "GPU", "Ascend"], "amp_level": [None, "O0", "O1", "O2", "O3"],
+CHOICES = {"device_target": [None, "CPU", "GPU", "Ascend"], "amp_level": [None, *AMP_LEVELS],
            "optimizer_shard": [None, True, False]}
 
 

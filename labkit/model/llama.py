@@ -55,6 +55,8 @@ class Backend:
     param_dtype: str = "float32"
     softmax_dtype: str = "float32"
     norm_dtype: str = "float32"
+    embedding_dtype: str | None = None  # None: param_dtype
+    rotary_dtype: str = "float32"
     use_flash_attention: bool | None = None
     kernels: str = "native"  # one of labkit.model.kernels.KERNELS
 
@@ -63,8 +65,10 @@ def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 
                         backend: Backend = Backend()) -> dict:
     """The mindformers `LlamaConfig` arguments for this model (also written out as mindformers YAML)."""
     b = backend
+    embedding = b.embedding_dtype or b.param_dtype
     for name, dt in (("compute_dtype", b.compute_dtype), ("param_dtype", b.param_dtype),
-                     ("softmax_dtype", b.softmax_dtype), ("norm_dtype", b.norm_dtype)):
+                     ("softmax_dtype", b.softmax_dtype), ("norm_dtype", b.norm_dtype), ("embedding_dtype", embedding),
+                     ("rotary_dtype", b.rotary_dtype)):
         if dt not in DTYPES:
             raise LabkitError(f"{name} '{dt}' is not supported", f"use one of {', '.join(DTYPES)}")
     flags = backend_flags(b.device_target, b.use_flash_attention)
@@ -77,7 +81,7 @@ def llama_config_kwargs(cfg: ModelConfig, *, seq_length: int, batch_size: int = 
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
         tie_word_embeddings=cfg.tie_word_embeddings, init_method_std=cfg.init_std,
         compute_dtype=b.compute_dtype, layernorm_compute_type=b.norm_dtype, softmax_compute_type=b.softmax_dtype,
-        rotary_dtype="float32", param_init_type=b.param_dtype, embedding_init_type=b.param_dtype,
+        rotary_dtype=b.rotary_dtype, param_init_type=b.param_dtype, embedding_init_type=embedding,
         fused_rms_norm=flags.fused_rms_norm, use_rope_slice=flags.use_rope_slice,
         use_flash_attention=flags.use_flash_attention, disable_lazy_inline=flags.disable_lazy_inline,
     )

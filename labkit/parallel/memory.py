@@ -1,55 +1,196 @@
 """The memory model behind the planner: bytes per device for a layout, tensor by tensor.
 
 Memory per device (bytes), for the most loaded pipeline stage:
-  weights + gradients + optimizer states  (bytes per parameter from the precision; optimizer states divided by dp
-                                           when sharded, as ZeRO-1 does; one gradient-sized buffer, which with
-                                           accum > 1 is mindformers' `accu_grads` that each micro-step adds into)
+  weights + gradients + optimizer states  (bytes per element of each weight by role, from the state census of
+    + the weights' compute-dtype copies    mindformers' own training cell, labkit.parallel.census; sharded as
+                                           MindSpore's parallel optimizer shards them: model_states)
   + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer,
                                            plus the backward tensors MindSpore computes during the forward pass)
   + framework overhead                     (a stated constant per device preset)
 bench/plan_calibration.py checks the activation terms against MindSpore's memory pool on CPU."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from labkit.config import ModelConfig
-from labkit.layout import RECOMPUTE, Layout
-from labkit.parallel.devices import GIB
+
+from labkit.config import AMP_LEVELS, ModelConfig
 from labkit.errors import LabkitError
+from labkit.layout import RECOMPUTE, Layout
+from labkit.parallel import census
+from labkit.parallel.devices import GIB
 
 
-@dataclass(frozen=True)
-class Precision:
-    act: int  # bytes per activation element (compute dtype)
-    param: int  # bytes per weight
-    grad: int  # bytes per gradient (MindSpore gradients take the weight's dtype)
-
-
-PRECISIONS = {
-    "fp32": Precision(act=4, param=4, grad=4),
-    # mindformers' Llama-2 recipes: param_init_type float16, compute fp16/bf16, AdamW moments in fp32
-    "fp16": Precision(act=2, param=2, grad=2),
-    "bf16": Precision(act=2, param=2, grad=2),
-}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+ONE_STEP, PIPELINE = "MFTrainOneStepCell", "MFPipelineWithLossScaleCell"
 
 
 @dataclass(frozen=True)
 class Numerics:
-    """How a step computes, as far as its memory and time see it: the precision of weights and activations, an fp32
-    master copy of the weights kept by the optimizer, flash attention, and fused RMSNorm and SiLU kernels (the
-    planner takes these two from the device: MindSpore 2.9 has neither on CPU)."""
+    """How a step computes, as far as its memory and time see it: the mixed-precision level (labkit.config.AMP_LEVELS:
+    the dtypes mindformers' model_config gets, hence the states the census counted for it), flash attention, and
+    fused RMSNorm and SiLU kernels (the planner takes these two from the device: MindSpore 2.9 has neither on CPU)."""
 
-    precision: str = "fp16"  # one of PRECISIONS
-    master_weights: bool = False
+    amp_level: str = "fp16"  # a key of labkit.config.AMP_LEVELS
     flash_attention: bool = True
     fused_norm: bool = True
     fused_silu: bool = True
 
+    @property
+    def dtypes(self) -> dict:
+        if self.amp_level not in AMP_LEVELS:
+            raise LabkitError(f"amp_level '{self.amp_level}' is not known", f"use one of {', '.join(AMP_LEVELS)}")
+        return AMP_LEVELS[self.amp_level]
 
-MOMENT_BYTES = 8  # AdamW m and v in float32 (mindformers.core.optim.AdamW clones them as float32)
+    @property
+    def precision(self) -> str:
+        """The compute precision (fp32, fp16, bf16): the device peak and the activations' bytes."""
+        return SHORT[self.dtypes["compute_dtype"]]
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtypes["compute_dtype"]]
 
 
-MASTER_BYTES = 4  # an fp32 master copy, kept only with master_weights=True (ZeRO's 16 bytes/param convention)
+def wrapper_of(layout: Layout) -> str:
+    """The training cell mindformers' trainer builds for a semi-auto layout (trainer/base_trainer.py,
+    BaseTrainer._reset_wrapper and _reset_wrapper_for_pipeline_parallel): MFPipelineWithLossScaleCell with
+    gradient accumulation or a pipeline, which adds the accumulation buffer `accu_grads`; else MFTrainOneStepCell."""
+    return PIPELINE if layout.accum > 1 or layout.pp > 1 else ONE_STEP
+
+
+def census_case(numerics: Numerics, wrapper: str) -> dict:
+    """The state census (labkit.parallel.census, STATE_FILE) of an amp level with a wrapper: per role (weights,
+    moments, accu_grads) and weight kind, the bytes per element of the weight; per kind parallel_optimizer."""
+    name = f"{numerics.amp_level}-{wrapper}"
+    case = census.load_states()["cases"].get(name)
+    if case is None:
+        raise LabkitError(f"the state census has no case {name}",
+                          "take it again: python -m labkit.launch.census --write")
+    return case
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One weight tensor a device of a stage holds `count` of: its kind (census.KINDS), full shape, the axis model
+    parallelism splits (None: replicated over mp)."""
+
+    kind: str
+    shape: tuple
+    split: int | None
+    count: int
+    layer: bool  # part of a decoder layer (recomputation and level3 free its gathered copy layer by layer)
+
+    def elements(self, mp: int) -> float:
+        return math.prod(self.shape) / (mp if self.split is not None else 1)
+
+
+def layer_weights(cfg: ModelConfig) -> list[Weight]:
+    """The weights of one decoder layer with the axis mp splits (Megatron's column/row rule, as mindformers'
+    Llama shards them): wq, wk, wv and w1, w3 by output rows, wo and w2 by input columns, the norms whole."""
+    h, kv, f = cfg.hidden_size, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
+    return [Weight("matrix", (h, h), 0, 1, True), Weight("matrix", (kv, h), 0, 2, True),
+            Weight("matrix", (h, h), 1, 1, True), Weight("matrix", (f, h), 0, 2, True),
+            Weight("matrix", (h, f), 1, 1, True), Weight("norm", (h,), None, 2, True)]
+
+
+def stage_weights(cfg: ModelConfig, pp: int = 1) -> dict[str, dict]:
+    """Per pipeline stage ("only", or "first" and "last"): its decoder layers and the weights one of its devices
+    holds. Layers split as evenly as possible (the first stages take the remainder); the embedding is replicated
+    over mp (mindformers' vocab_emb_dp) and sits on the first stage; the final norm and the output layer (split
+    over mp) on the last; a tied output layer is the embedding itself with one stage, a copy on the last with more."""
+    V, h, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+    emb, norm, head = Weight("embedding", (V, h), None, 1, False), Weight("norm", (h,), None, 1, False), \
+        Weight("head", (V, h), 0, 1, False)
+    per = layer_weights(cfg)
+    layers = lambda n: [dataclasses.replace(w, count=w.count * n) for w in per]  # noqa: E731
+    if pp == 1:
+        return {"only": {"layers": L, "weights": layers(L) + [emb, norm] + ([] if cfg.tie_word_embeddings else [head])}}
+    n_first, n_last = math.ceil(L / pp), L // pp  # the first L % pp stages take one layer more
+    return {"first": {"layers": n_first, "weights": layers(n_first) + [emb]},
+            "last": {"layers": n_last, "weights": layers(n_last) + [head, norm]}}
+
+
+def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
+    """Parameters held by one device of each pipeline stage (see stage_weights)."""
+    return {name: {"layers": st["layers"], "params": sum(w.count * w.elements(mp) for w in st["weights"])}
+            for name, st in stage_weights(cfg, pp).items()}
+
+
+def opt_shards(w: Weight, layout: Layout, case: dict, weight_bytes: float) -> int:
+    """Devices MindSpore's parallel optimizer spreads one weight over (1: kept whole), by its own rules
+    (frontend/parallel/parallel_optimizer/opt_param_mgr.cc OptParamMgrImpl::SplitParam, tensor_layout.cc
+    TensorLayout::GenerateOptShardSliceShape): off without optimizer_shard or data parallelism; skipped for a
+    Parameter created with parallel_optimizer=False (the census: mindformers 1.9's Llama embedding and norms),
+    for one smaller than parallel_optimizer_threshold (full shape x its dtype's bytes, KB), and when the first
+    axis, already split by mp there, does not divide by the shard count; only the first axis is sharded."""
+    if not layout.optimizer_shard or layout.dp == 1 or case["parallel_optimizer"].get(w.kind) != [True]:
+        return 1
+    s = layout.optimizer.shard_size(layout.dp)
+    if math.prod(w.shape) * weight_bytes < layout.optimizer.threshold_kb * 1024:
+        return 1
+    first = w.shape[0] // (layout.mp if w.split == 0 else 1)
+    return s if w.shape[0] % ((layout.mp if w.split == 0 else 1) * s) == 0 and first else 1
+
+
+def model_states(cfg: ModelConfig, layout: Layout, numerics: Numerics, stage: dict,
+                 recompute: str = "none") -> dict[str, float]:
+    """Bytes one device of a stage keeps for the weights, their gradients, the optimizer and the weights' copies in
+    the compute dtype, from the state census of the layout's amp level and wrapper (bytes per element of each weight,
+    by role and kind) and MindSpore's optimizer-parallel rules (opt_shards, labkit.layout.OptimizerParallel):
+
+      weights    each weight / its shard count (census: role weights)
+      optimizer  AdamW's m and v, sharded like their weight (census: role moments; parameter_manager.cc,
+                 SetClonedTensorShapeForOptimizer gives clones the weight's sharded shape)
+      gradients  with MFPipelineWithLossScaleCell, `accu_grads` (census), sharded only at level2/level3
+                 (grad_accumulation_shard || zero3, SetClonedTensorShapeForOptimizer); with MFTrainOneStepCell the
+                 step's gradients in the weight's dtype (MindSpore's autodiff), reduce-scattered at level2/level3
+      copies     what the forward keeps of each weight for the backward in the compute dtype: a sharded weight's
+                 all-gathered copy (gathered after a cast to the compute dtype when pp > 1 or accumulating,
+                 step_parallel_utils.cc FindChildCastWithFP32ToFP16; in its own dtype otherwise), an unsharded
+                 matrix's cast copy when its dtype is not the compute dtype (mindformers' Linear casts the weight,
+                 MatMul's backward reads the cast). Layer by layer (one layer's worth at a time) for recomputed
+                 layers with parallel_optimizer_comm_recompute, and at level3 for every sharded weight."""
+    case = census_case(numerics, wrapper_of(layout))
+    roles, compute = case["roles"], numerics.act_bytes
+    opt, mp = layout.optimizer, layout.mp
+    out = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "copies": 0.0}
+    layer_copy, layers = 0.0, max(1, stage["layers"])
+    for w in stage["weights"]:
+        wb = roles["weights"][w.kind]["bytes_per_element"]
+        s = opt_shards(w, layout, case, wb)
+        n = w.count * w.elements(mp)
+        out["weights"] += n * wb / s
+        out["optimizer"] += n * roles["moments"][w.kind]["bytes_per_element"] / s
+        if "accu_grads" in roles:
+            out["gradients"] += n * roles["accu_grads"][w.kind]["bytes_per_element"] / (
+                s if opt.shards_gradients() else 1)
+        else:
+            out["gradients"] += n * wb / (s if opt.shards_gradients() else 1)
+        if s > 1:
+            gathered = compute if (layout.pp > 1 or layout.accum > 1) and wb == 4 else wb
+        elif w.kind in ("matrix", "head") and wb != compute:
+            gathered = compute
+        else:
+            continue
+        freed = w.layer and (opt.level == "level3" and s > 1 or recompute == "full" and (opt.comm_recompute or s == 1))
+        if freed:
+            layer_copy += n * gathered / layers  # one layer's worth at a time
+        else:
+            out["copies"] += n * gathered
+    out["copies"] += layer_copy
+    return out
+
+
+def bytes_per_param(amp_level: str = "fp16", wrapper: str = ONE_STEP) -> dict[str, float]:
+    """A matrix's bytes per parameter by part, unsharded, from the state census: weights, gradients (the
+    accumulation buffer with MFPipelineWithLossScaleCell), optimizer (AdamW's m and v), total."""
+    roles = census_case(Numerics(amp_level), wrapper)["roles"]
+    w = roles["weights"]["matrix"]["bytes_per_element"]
+    g = roles["accu_grads"]["matrix"]["bytes_per_element"] if "accu_grads" in roles else w
+    o = roles["moments"]["matrix"]["bytes_per_element"]
+    return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
 
 
 # mindformers CrossEntropyLoss at the peak (end of the forward pass), vocabulary-sized fp32 tensors: the one-hot
@@ -58,30 +199,6 @@ MASTER_BYTES = 4  # an fp32 master copy, kept only with master_weights=True (ZeR
 # graph (MindSpore 2.9 / mindformers 1.9, bench/plan_calibration.py). It was 5, which offset per-layer tensors the
 # count then missed (see early_backward_elements).
 LOSS_FP32_COPIES = 4
-
-
-def bytes_per_param(precision: str = "fp16", master_weights: bool = False) -> dict[str, int]:
-    """Weights, gradients and optimizer bytes per parameter (before any sharding)."""
-    p = precision_of(precision)
-    opt = MOMENT_BYTES + (MASTER_BYTES if master_weights else 0)
-    return {"weights": p.param, "gradients": p.grad, "optimizer": opt, "total": p.param + p.grad + opt}
-
-
-def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
-    """Parameters held by one device of the first and of the last pipeline stage ("only" without a pipeline).
-
-    Layers split as evenly as possible (the first stages take the remainder); the embedding is replicated over
-    mp (mindformers' vocab_emb_dp) and sits on the first stage; the output layer is split over mp on the last."""
-    h, L = cfg.hidden_size, cfg.num_layers
-    kv = cfg.kv_heads * cfg.head_dim
-    per_layer = (2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_size) / mp + 2 * h
-    embed = cfg.vocab_size * h
-    head = cfg.vocab_size * h / mp  # the output layer (tied: a copy of the embedding on the last stage)
-    if pp == 1:
-        return {"only": {"layers": L, "params": L * per_layer + embed + h + (0 if cfg.tie_word_embeddings else head)}}
-    n_first, n_last = math.ceil(L / pp), L // pp  # the first L % pp stages take one layer more
-    return {"first": {"layers": n_first, "params": n_first * per_layer + embed},
-            "last": {"layers": n_last, "params": n_last * per_layer + head + h}}
 
 
 def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
@@ -172,31 +289,20 @@ def memory_breakdown(cfg: ModelConfig, layout: Layout = Layout(), *, seq_len: in
 
 def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n: Numerics) -> dict:
     """memory_breakdown for one of the planner's modes, every layer alike; `total` without the overhead."""
-    prec = precision_of(n.precision)
-    bpp = bytes_per_param(n.precision, n.master_weights)
-    mp, micro_batch = layout.mp, layout.micro_batch
-    stages = stage_params(cfg, mp, layout.pp)
+    mp, micro_batch, act = layout.mp, layout.micro_batch, n.act_bytes
     worst = None
-    for name, st in stages.items():
-        params = st["params"]
-        weights = params * bpp["weights"]
-        grads = params * bpp["gradients"]
-        opt = params * bpp["optimizer"] / (layout.dp if layout.optimizer_shard else 1)
+    for name, st in stage_weights(cfg, layout.pp).items():
+        states = model_states(cfg, layout, n, st, recompute)
         layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=layout.sequence_parallel,
                                   recompute=recompute, numerics=n)
         in_flight = min(layout.pp if name == "first" else 1, layout.accum)  # 1F1B: stage k holds p - k micro-batches
-        loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=prec.act,
+        loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=act,
                                 fused_norm=n.fused_norm) if name != "first" else 0.0
-        mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, n.flash_attention) * prec.act
-        acts = in_flight * st["layers"] * layer["stored"] * prec.act + mask + max(loss, layer["working"] * prec.act)
-        parts = {"weights": weights, "gradients": grads, "optimizer": opt, "activations": acts}
+        mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, n.flash_attention) * act
+        acts = in_flight * st["layers"] * layer["stored"] * act + mask + max(loss, layer["working"] * act)
+        parts = {**states, "activations": acts}
         total = sum(parts.values())
         if worst is None or total > worst[1]:
+            params = sum(w.count * w.elements(mp) for w in st["weights"])
             worst = ({**{k: v / GIB for k, v in parts.items()}, "stage": name, "params": params}, total)
     return {**worst[0], "total": worst[1] / GIB}
-
-
-def precision_of(precision: str) -> Precision:
-    if precision not in PRECISIONS:
-        raise LabkitError(f"precision '{precision}' is not known", f"use one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[precision]

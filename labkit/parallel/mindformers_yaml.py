@@ -1,11 +1,16 @@
-"""The parallel part of a mindformers run YAML (parallel, parallel_config, recompute_config) for a layout the
-planner chose, with the key names mindformers 1.9.0 reads: built as a mapping, written with yaml.safe_dump."""
+"""A mindformers run YAML for a labkit run and the layout the planner chose, with the key names mindformers 1.9.0
+reads: the parallel part alone (parallel, parallel_config, recompute_config) or the whole run; built as a mapping,
+written with yaml.safe_dump."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import yaml
 
-from labkit.layout import Layout
+from labkit.config import AMP_LEVELS, ModelConfig, RunConfig, loss_scaled
 from labkit.errors import LabkitError
+from labkit.layout import Layout
+from labkit.model.llama import Backend, llama_config_kwargs
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
@@ -24,21 +29,28 @@ def mindformers_parallel_config(layout: Layout, *, parallel_mode: str = "semi_au
     s = layout.row()
     pipeline = s["pp"] > 1
     rc = layout.recompute.mindformers(num_layers, s["pp"])
+    opt = layout.optimizer
     return {
         "use_parallel": True,
         "parallel": {"parallel_mode": PARALLEL_MODES[parallel_mode], "gradients_mean": False,
                      "enable_alltoall": False, "full_batch": True, "search_mode": search_mode,
                      "enable_parallel_optimizer": bool(s["optimizer_shard"]),
                      "strategy_ckpt_save_file": "./ckpt_strategy.ckpt",
-                     "parallel_optimizer_config": {"gradient_accumulation_shard": False,
-                                                   "parallel_optimizer_threshold": 64}},
+                     # gradient_accumulation_shard only when set: MindSpore 2.9 refuses the key, even False, beside
+                     # an optimizer_level other than level2 (parallel/_auto_parallel_context.py,
+                     # set_parallel_optimizer_config)
+                     "parallel_optimizer_config": {"optimizer_level": opt.level,
+                                                   **({"gradient_accumulation_shard": True}
+                                                      if opt.gradient_accumulation_shard else {}),
+                                                   "parallel_optimizer_threshold": opt.threshold_kb,
+                                                   "optimizer_weight_shard_size": opt.weight_shard_size}},
         "parallel_config": {"data_parallel": s["dp"], "model_parallel": s["mp"], "pipeline_stage": s["pp"],
                             "use_seq_parallel": bool(layout.sequence_parallel),
                             "micro_batch_num": s["accum"] if pipeline else 1,
                             "vocab_emb_dp": True, "gradient_aggregation_group": 4},
         "micro_batch_interleave_num": 1,
-        "recompute_config": {**rc, "parallel_optimizer_comm_recompute": False, "mp_comm_recompute": True,
-                             "recompute_slice_activation": True},
+        "recompute_config": {**rc, "parallel_optimizer_comm_recompute": opt.comm_recompute,
+                             "mp_comm_recompute": True, "recompute_slice_activation": True},
         "runner_config": {"batch_size": s["micro_batch"], "gradient_accumulation_steps": 1 if pipeline else s["accum"]},
     }
 
@@ -53,6 +65,69 @@ def mindformers_parallel_yaml(layout: Layout, **options) -> str:
             "# enable_parallel_optimizer: shard optimizer states (and weights) over dp; micro_batch_num: pipeline\n"
             "# micro-batches per step (>= pipeline_stage); runner_config.batch_size: per device and micro-step\n")
     return head + yaml.safe_dump(doc, sort_keys=False)
+
+
+def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None, devices: int = 1,
+             max_device_memory_gib: float | None = None, resume: bool = False) -> dict:
+    """A labkit run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
+    available in the installed mindformers 1.9.0): the model computing as `cfg.train.amp_level` says
+    (labkit.config.AMP_LEVELS), the optimizer, the schedule, the data and `layout`'s parallel blocks.
+    `max_device_memory_gib` is the memory pool MindSpore may take per device (None on CPU: not set)."""
+    t, p = cfg.train, cfg.parallel
+    model = model or cfg.model
+    mode = p.parallel_mode if p.parallel_mode in PARALLEL_MODES else "data_parallel"
+    par = mindformers_parallel_config(layout, parallel_mode=mode, search_mode=p.search_mode,
+                                      num_layers=model.num_layers)
+    par["use_parallel"] = devices > 1
+    dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": cfg.data.dataset or "",
+                               "shuffle": cfg.data.shuffle},
+               "input_columns": ["input_ids"], "num_parallel_workers": cfg.data.num_parallel_workers,
+               "python_multiprocessing": False, "drop_remainder": True, "batch_size": t.micro_batch, "repeat": 1,
+               "numa_enable": False, "prefetch_size": cfg.data.prefetch}
+    scale = (1.0 if not loss_scaled(t.amp_level) else
+             {"type": "DynamicLossScaleUpdateCell", "loss_scale_value": t.loss_scale, "scale_factor": t.scale_factor,
+              "scale_window": t.scale_window})
+    context = {"mode": 0 if t.mode == "graph" else 1, "device_target": p.device_target, "max_call_depth": 10000,
+               "save_graphs": False, "device_id": 0}
+    if max_device_memory_gib is not None:
+        context["max_device_memory"] = f"{max(1.0, max_device_memory_gib):g}GB"
+    return {
+        "seed": t.seed, "output_dir": "./output", "run_mode": "train", "load_checkpoint": t.init_checkpoint or "",
+        "auto_trans_ckpt": False, "resume_training": resume, "src_strategy_path_or_dir": "",
+        "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": model.name},
+        "runner_config": {"epochs": 1, "batch_size": t.micro_batch, "sink_mode": True, "sink_size": 1,
+                          **par.pop("runner_config")},
+        "optimizer": {"type": "AdamW", "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay},
+        "lr_schedule": {"type": "CosineWithWarmUpLR", "learning_rate": t.lr, "lr_end": t.min_lr,
+                        "warmup_steps": t.warmup_steps, "total_steps": t.decay_steps},
+        "train_dataset": dataset,
+        "train_dataset_task": {"type": "CausalLanguageModelDataset", "dataset_config": dataset},
+        **par,
+        "context": context,
+        "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
+            model, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
+            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))},
+                  "arch": {"type": "LlamaForCausalLM"}},
+        "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
+                      "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
+                                    "vocab_file": str(Path(cfg.data.tokenizer) / "tokenizer.model")}},
+        "runner_wrapper": {"type": "MFTrainOneStepCell", "scale_sense": scale, "use_clip_grad": t.grad_clip > 0,
+                           "max_grad_norm": t.grad_clip or 1.0},
+        "callbacks": [{"type": "MFLossMonitor"},
+                      {"type": "CheckpointMonitor", "prefix": model.name, "integrated_save": False,
+                       "save_checkpoint_steps": t.save_every or t.steps, "keep_checkpoint_max": t.keep_checkpoints}],
+    }
+
+
+def run_yaml_text(cfg: RunConfig, layout: Layout, **options) -> str:
+    """run_yaml() as YAML text, under a comment saying how it differs from labkit's own loop."""
+    t = cfg.train
+    head = (f"# mindformers run YAML for the run in run.yaml beside this file (written by labkit).\n"
+            f"# Start: see launch.sh. Differences from labkit's own loop: mindformers trains `epochs` passes over\n"
+            f"# the dataset (no step limit: choose epochs x samples / global batch {t.global_batch} ~ steps "
+            f"{t.steps});\n# recompute [n] recomputes the first n layers of each pipeline stage (labkit: "
+            f"{str(t.recompute)!r}, the same memory).\n")
+    return head + yaml.safe_dump(run_yaml(cfg, layout, **options), sort_keys=False, allow_unicode=True)
 
 
 # mindformers computes the global batch in its trainer (BaseTrainer._check_global_batch_size_for_auto_parallel),
@@ -94,3 +169,69 @@ def mindformers_global_batch(yaml_path, timeout: float = 300) -> int:
                           f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else 'no output'}",
                           "check the YAML's parallel, parallel_config and runner_config sections")
     return int(line.split(":")[1])
+
+
+# ------------------------------------------------------------------------------------ a run YAML read back
+
+_MODEL_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_heads": "num_heads",
+               "n_kv_heads": "num_kv_heads", "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+               "multiple_of": "multiple_of", "ffn_dim_multiplier": "ffn_dim_multiplier",
+               "tie_word_embeddings": "tie_word_embeddings"}
+_DTYPE_KEYS = {"compute_dtype": "compute_dtype", "param_init_type": "param_dtype",
+               "softmax_compute_type": "softmax_dtype", "layernorm_compute_type": "norm_dtype"}
+
+
+def read_run_yaml(path) -> dict:
+    """What the planner needs from a mindformers run YAML, read from the keys mindformers reads: the model
+    (`model.model_config`), the layout (`parallel_config`, `runner_config`, `parallel.enable_parallel_optimizer`,
+    `parallel_optimizer_config`, `recompute_config`), the amp level whose dtypes the model_config carries, the
+    sequence length, flash attention and the memory pool (`context.max_device_memory`, GiB, None if unset).
+    Returns {model, layout, amp_level, seq_len, flash_attention, max_device_memory_gib}."""
+    import dataclasses
+
+    from labkit.config import ModelConfig
+    from labkit.layout import OptimizerParallel, Recompute
+
+    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    try:
+        mc, par, pc = doc["model"]["model_config"], doc["parallel"], doc["parallel_config"]
+        run, rc = doc["runner_config"], doc.get("recompute_config") or {}
+    except (KeyError, TypeError) as e:
+        raise LabkitError(f"{path}: not a mindformers run YAML (no {e})",
+                          "give a YAML with model.model_config, parallel, parallel_config and runner_config") from None
+    dtypes = {ours: mc.get(theirs) for theirs, ours in _DTYPE_KEYS.items()}
+    dtypes["embedding_dtype"] = mc.get("embedding_init_type") or mc.get("param_init_type")
+    dtypes["rotary_dtype"] = mc.get("rotary_dtype", "float32")
+    level = next((name for name, d in AMP_LEVELS.items()
+                  if all(d.get(k, _default_dtype(k, d)) == v for k, v in dtypes.items())), None)
+    if level is None:
+        raise LabkitError(f"{path}: model_config dtypes {dtypes} are no amp level labkit knows",
+                          f"use the dtypes of one of {', '.join(AMP_LEVELS)} (labkit.config.AMP_LEVELS)")
+    model = dataclasses.replace(ModelConfig(name=doc.get("trainer", {}).get("model_name", "model")),
+                                **{ours: mc[theirs] for theirs, ours in _MODEL_KEYS.items() if theirs in mc})
+    pp = int(pc.get("pipeline_stage", 1))
+    accum = int(pc.get("micro_batch_num", 1)) if pp > 1 else int(run.get("gradient_accumulation_steps", 1))
+    recompute = rc.get("recompute", False)
+    if isinstance(recompute, list):  # layers per stage: mindformers recomputes the first n of each
+        n = model.num_layers
+        recompute = f"last:{sum(recompute)}" if sum(recompute) < n else True
+    opc = par.get("parallel_optimizer_config") or {}
+    layout = Layout(dp=int(pc["data_parallel"]), mp=int(pc.get("model_parallel", 1)), pp=pp,
+                    micro_batch=int(run["batch_size"]), accum=accum,
+                    recompute=Recompute("selective") if rc.get("select_recompute") else Recompute.parse(recompute),
+                    optimizer_shard=bool(par.get("enable_parallel_optimizer")),
+                    sequence_parallel=bool(pc.get("use_seq_parallel")),
+                    optimizer=OptimizerParallel(level=opc.get("optimizer_level", "level1"),
+                                                gradient_accumulation_shard=bool(opc.get("gradient_accumulation_shard")),
+                                                threshold_kb=int(opc.get("parallel_optimizer_threshold", 64)),
+                                                weight_shard_size=int(opc.get("optimizer_weight_shard_size", -1)),
+                                                comm_recompute=bool(rc.get("parallel_optimizer_comm_recompute"))))
+    pool = (doc.get("context") or {}).get("max_device_memory")
+    return {"model": model, "layout": layout, "amp_level": level, "seq_len": int(mc["seq_length"]),
+            "flash_attention": bool(mc.get("use_flash_attention")),
+            "max_device_memory_gib": float(str(pool).upper().removesuffix("GB")) if pool else None}
+
+
+def _default_dtype(key: str, level: dict) -> str:
+    """An AMP_LEVELS entry's dtype for a key it leaves out (labkit.model.llama.Backend's defaults)."""
+    return level["param_dtype"] if key == "embedding_dtype" else "float32"

@@ -16,16 +16,20 @@ from dataclasses import dataclass
 
 from labkit.config import ModelConfig, model_from_section, model_preset, read_yaml
 from labkit.errors import LabkitError
-from labkit.layout import RECOMPUTE, Layout, Recompute
+from labkit.config import AMP_LEVELS
+from labkit.layout import RECOMPUTE, Layout, OptimizerParallel, Recompute
 from labkit.model.shapes import flops_per_token, num_params, param_counts
 from labkit.output import add_common_flags, emit
 from labkit.parallel.devices import GIB, Device, device_preset
-from labkit.parallel.memory import PRECISIONS, Numerics, bytes_per_param, memory_breakdown, precision_of, stage_params
+from labkit.parallel.memory import Numerics, bytes_per_param, memory_breakdown, stage_params, wrapper_of
 from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
 from labkit.parallel.msrun import msrun_command
 
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
 DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe (dp 8 x batch 1 x accum 8)
+# GiB of MindSpore's memory pool (the device memory less the overhead: what max_device_memory gives it) a plan
+# leaves free to fit: a chosen margin for the pool's fragmentation and the planner's error, not a measurement
+FIT_MARGIN_GIB = 1.0
 
 
 # ----------------------------------------------- backward tensors MindSpore computes during the forward pass
@@ -78,6 +82,7 @@ class Setting:
     sequence_parallel: bool
     overhead_gib: float
     constraints: dict  # pinned strategy keys (None = searched)
+    optimizer: OptimizerParallel = OptimizerParallel()  # how a layout with optimizer_shard shards
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,8 @@ def step_time(cfg: ModelConfig, layout: Layout, st: Setting) -> dict:
 def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -> dict[str, float]:
     """Seconds per step by part for one of the planner's modes, every layer alike."""
     dp, mp, pp, accum = layout.dp, layout.mp, layout.pp, layout.accum
-    prec = precision_of(st.numerics.precision)
+    act_bytes = st.numerics.act_bytes
+    grad_bytes = bytes_per_param(st.numerics.amp_level, wrapper_of(layout))["gradients"]
     devices = layout.devices
     per_node = max(1, devices // st.nodes)
     tokens = layout.global_batch * st.seq_len
@@ -149,7 +155,7 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
     compute = tokens * fpt["hardware"] / devices / (st.peak_tflops * 1e12 * st.efficiency)
     bubble = compute * (pp - 1) / accum
     layers = math.ceil(cfg.num_layers / pp)
-    act_msg = layout.micro_batch * st.seq_len * cfg.hidden_size * prec.act  # one activation tensor of a micro-batch
+    act_msg = layout.micro_batch * st.seq_len * cfg.hidden_size * act_bytes  # one activation tensor of a micro-batch
     bw = {True: st.device.intra_node_gbps * 1e9, False: st.device.inter_node_gbps * 1e9}
     tp = 0.0
     if mp > 1:  # 2 all-reduces forward, 2 backward per layer (Megatron); full recompute repeats the forward 2
@@ -161,7 +167,7 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
     dp_t = 0.0
     if dp > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
         params = max(s["params"] for s in stage_params(cfg, mp, pp).values())
-        dp_t = 2 * (dp - 1) / dp * params * prec.grad / bw[dp * mp <= per_node]
+        dp_t = 2 * (dp - 1) / dp * params * grad_bytes / bw[dp * mp <= per_node]
     return {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_comm": pp_t, "dp_comm": dp_t}
 
 
@@ -169,13 +175,15 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
 
 
 def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, global_batch: int | None = None,
-         numerics: Numerics = Numerics(), sequence_parallel: bool = False, constraints: dict | None = None) -> dict:
+         numerics: Numerics = Numerics(), sequence_parallel: bool = False, constraints: dict | None = None,
+         optimizer: OptimizerParallel = OptimizerParallel()) -> dict:
     """Every strategy for the machine's devices, ranked by predicted throughput.
 
-    numerics: precision, master weights, flash attention (the fused kernels are the device's).
-    constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it)."""
+    numerics: the amp level, flash attention (the fused kernels are the device's).
+    constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it).
+    optimizer: MindSpore's parallel-optimizer settings for the candidates that shard (optimizer_shard)."""
     st = setting(machine, seq_len=seq_len, global_batch=global_batch, numerics=numerics,
-                 sequence_parallel=sequence_parallel, constraints=constraints)
+                 sequence_parallel=sequence_parallel, constraints=constraints, optimizer=optimizer)
     strategies, skipped = [], {}
     for cand, reason in candidates(model_cfg, st):
         if reason:
@@ -187,11 +195,13 @@ def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, globa
 
 
 def setting(machine: Machine, *, seq_len: int, global_batch: int | None, numerics: Numerics,
-            sequence_parallel: bool, constraints: dict | None) -> Setting:
+            sequence_parallel: bool, constraints: dict | None,
+            optimizer: OptimizerParallel = OptimizerParallel()) -> Setting:
     """plan()'s arguments checked, with the device preset's values filled in."""
     m = machine
     dev = m.device if isinstance(m.device, Device) else device_preset(m.device, measure=m.peak_tflops is None)
-    precision_of(numerics.precision)
+    numerics.dtypes  # noqa: B018 - an unknown amp level is refused here
+    optimizer.check("optimizer")
     if m.devices < 1 or m.device_memory_gib <= 0:
         raise LabkitError(f"devices ({m.devices}) and device memory ({m.device_memory_gib} GiB) must be positive")
     global_batch = global_batch or DEFAULT_GLOBAL_BATCH
@@ -210,7 +220,7 @@ def setting(machine: Machine, *, seq_len: int, global_batch: int | None, numeric
                    global_batch=global_batch, numerics=numerics, peak_tflops=peak, efficiency=m.efficiency,
                    sequence_parallel=sequence_parallel,
                    overhead_gib=dev.overhead_gib if m.overhead_gib is None else m.overhead_gib,
-                   constraints=_check_constraints(constraints))
+                   constraints=_check_constraints(constraints), optimizer=optimizer)
 
 
 def candidates(cfg: ModelConfig, st: Setting):
@@ -222,7 +232,8 @@ def candidates(cfg: ModelConfig, st: Setting):
             accum = g // dp // mb if mb else None
             for rc, osh in itertools.product(RECOMPUTE, (False, True) if dp > 1 else (False,)):
                 cand = Layout(dp=dp, mp=mp, pp=pp, micro_batch=mb, accum=accum, recompute=Recompute(rc),
-                              optimizer_shard=osh, sequence_parallel=st.sequence_parallel and mp > 1)
+                              optimizer_shard=osh, sequence_parallel=st.sequence_parallel and mp > 1,
+                              optimizer=st.optimizer)
                 row = cand.row()
                 if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in Layout.KEYS):
                     continue
@@ -239,23 +250,29 @@ def strategy_row(cfg: ModelConfig, st: Setting, layout: Layout) -> Strategy:
                     step_time_s=round(t["step_time_s"], 4), time_s=_rounded(t["time_s"], 4),
                     tokens_per_s=round(t["tokens_per_s"], 1),
                     tokens_per_s_per_device=round(t["tokens_per_s_per_device"], 1), mfu=round(t["mfu"], 4),
-                    fits=mem["total"] <= st.memory_gib, why_not=why_not(mem, st.memory_gib))
+                    fits=mem["total"] + FIT_MARGIN_GIB <= st.memory_gib, why_not=why_not(mem, st.memory_gib))
 
 
 def why_not(mem: dict, memory_gib: float) -> str | None:
-    """Why a strategy with memory breakdown `mem` (GiB by part) does not fit in `memory_gib`; None when it fits."""
-    if mem["total"] <= memory_gib:
+    """Why a strategy with memory breakdown `mem` (GiB by part) does not fit in `memory_gib` with FIT_MARGIN_GIB to
+    spare; None when it fits."""
+    if mem["total"] + FIT_MARGIN_GIB <= memory_gib:
         return None
-    states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-    return (f"needs {mem['total']:.1f} GiB > {memory_gib:g} GiB: model states {states:.1f} + "
-            f"activations {mem['activations']:.1f} + overhead {mem['overhead']:.1f}")
+    return (f"needs {mem['total']:.1f} GiB + {FIT_MARGIN_GIB:g} margin > {memory_gib:g} GiB: model states "
+            f"{states_gib(mem):.1f} + weight copies {mem['copies']:.1f} + activations {mem['activations']:.1f} + "
+            f"overhead {mem['overhead']:.1f}")
+
+
+def states_gib(mem: dict) -> float:
+    """Weights, gradients and optimizer states of a memory breakdown (GiB)."""
+    return mem["weights"] + mem["gradients"] + mem["optimizer"]
 
 
 def numerics_of(result: dict) -> Numerics:
     """The Numerics a plan() result was computed with."""
     a = result["assumptions"]
-    return Numerics(precision=result["precision"], master_weights=a["master_weights"],
-                    flash_attention=result["flash_attention"], fused_norm=a["fused_norm"], fused_silu=a["fused_silu"])
+    return Numerics(amp_level=result["amp_level"], flash_attention=result["flash_attention"],
+                    fused_norm=a["fused_norm"], fused_silu=a["fused_silu"])
 
 
 def layer_line(cfg: ModelConfig, result: dict, strategy: Strategy) -> dict[str, float]:
@@ -265,24 +282,25 @@ def layer_line(cfg: ModelConfig, result: dict, strategy: Strategy) -> dict[str, 
     kw = dict(seq_len=result["seq_len"], numerics=numerics_of(result))
     whole = memory_breakdown(cfg, strategy.layout, **kw)
     fewer = memory_breakdown(dataclasses.replace(cfg, num_layers=cfg.num_layers - 1), strategy.layout, **kw)
-    return {k: (whole[k] - fewer[k]) * GIB for k in ("weights", "gradients", "optimizer", "activations")}
+    return {k: (whole[k] - fewer[k]) * GIB for k in ("weights", "gradients", "optimizer", "copies", "activations")}
 
 
 def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> dict:
     best = next((r for r in strategies if r.fits), None)
     n = st.numerics
-    bpp = bytes_per_param(n.precision, n.master_weights)
+    bpp = bytes_per_param(n.amp_level)
     result = {
         "model": cfg.name, "params": num_params(cfg), "param_counts": param_counts(cfg),
         "devices": st.devices, "nodes": st.nodes, "device": st.device.name, "device_memory_gib": st.memory_gib,
         "seq_len": st.seq_len, "global_batch": st.global_batch, "tokens_per_step": st.global_batch * st.seq_len,
-        "precision": n.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
+        "amp_level": n.amp_level, "precision": n.precision, "peak_tflops": st.peak_tflops, "efficiency": st.efficiency,
         "flash_attention": n.flash_attention,
         "assumptions": {
             "bytes_per_param": bpp, "model_states_gib_unsharded": round(num_params(cfg) * bpp["total"] / GIB, 2),
             "overhead_gib": st.overhead_gib, "fused_norm": n.fused_norm, "fused_silu": n.fused_silu,
             "sequence_parallel": st.sequence_parallel,
-            "master_weights": n.master_weights, "schedule": "1F1B (stage k holds p - k micro-batches)",
+            "optimizer_parallel": dataclasses.asdict(st.optimizer), "fit_margin_gib": FIT_MARGIN_GIB,
+            "schedule": "1F1B (stage k holds p - k micro-batches)",
             "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
             "flops_per_token": flops_per_token(cfg, st.seq_len),
         },
@@ -361,7 +379,7 @@ def format_table(result: dict, top: int = 15) -> str:
     lines = [head, "-" * len(head)]
     for r in result["strategies"][:top]:
         m = r.memory_gib
-        states = m["weights"] + m["gradients"] + m["optimizer"]
+        states = states_gib(m) + m["copies"]
         lines.append(f"{r.dp:>3} {r.mp:>3} {r.pp:>3} {r.micro_batch:>3} {r.accum:>4} "
                      f"{r.recompute:>9} {'on' if r.optimizer_shard else '-':>4} {m['total']:>7.1f} "
                      f"{states:>7.1f} {m['activations']:>6.1f} {r.step_time_s:>8.2f} "
@@ -379,7 +397,7 @@ def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit
     rows = rows if rows is not None else result["strategies"][:limit]
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows) + 2), 4))
-    parts = ["weights", "gradients", "optimizer", "activations", "overhead"]
+    parts = ["weights", "gradients", "optimizer", "copies", "activations", "overhead"]
     bottom = [0.0] * len(rows)
     x = range(len(rows))
     for part in parts:
@@ -430,8 +448,11 @@ def add_cli(parser) -> None:
                         "config's data.seq_len)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
-    parser.add_argument("--precision", default=None, choices=list(PRECISIONS),
-                        help="weights/compute precision (default fp16; fp32 with --device cpu)")
+    parser.add_argument("--amp-level", default=None, choices=list(AMP_LEVELS),
+                        help="mixed precision, the dtypes of labkit.config.AMP_LEVELS (default fp16, mindformers' "
+                             "recipe; O0 with --device cpu)")
+    parser.add_argument("--optimizer-level", default="level1", choices=["level1", "level2", "level3"],
+                        help="MindSpore's parallel_optimizer_config.optimizer_level for strategies that shard")
     parser.add_argument("--nodes", type=int, default=None, help="servers (default: from the preset's devices per node)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the preset's peak (TFLOP/s)")
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
@@ -447,18 +468,20 @@ def _cli(args) -> int:
     else:
         cfg, extra = model_from_config_file(args.config)
     seq = args.seq_len or extra.get("seq_len") or 4096
-    precision = args.precision or ("fp32" if args.device == "cpu" else "fp16")
+    amp = args.amp_level or ("O0" if args.device == "cpu" else "fp16")
     machine = Machine(args.devices, args.device_memory, device=args.device, nodes=args.nodes,
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency)
     result = plan(cfg, machine, seq_len=seq, global_batch=args.global_batch,
-                  numerics=Numerics(precision=precision,
-                                    flash_attention=not args.no_flash_attention and args.device != "cpu"))
+                  numerics=Numerics(amp_level=amp,
+                                    flash_attention=not args.no_flash_attention and args.device != "cpu"),
+                  optimizer=OptimizerParallel(level=args.optimizer_level))
     best = result["best"]
     if best:
         result["mindformers_yaml"] = mindformers_parallel_yaml(best.layout)
         result["msrun"] = msrun_command(best.layout, result["nodes"])
     text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
-            f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {precision}, efficiency "
+            f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {result['precision']}, amp_level {amp}, "
+            f"efficiency "
             f"{args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
             f"bytes per parameter: {result['assumptions']['bytes_per_param']}",
             "", format_table(result, args.top), ""]

@@ -132,7 +132,7 @@ def planner_need_mb(cfg, micro_batch: int | None = None, *, seq_len: int | None 
     layout = dataclasses.replace(cfg.layout(), micro_batch=micro_batch or cfg.train.micro_batch,
                                  recompute=Recompute.parse(recompute) if recompute else cfg.train.recompute)
     parts = memory_breakdown(cfg.model_config(), layout, seq_len=seq_len or cfg.data.seq_len,
-                             numerics=Numerics(precision="fp32", flash_attention=False, fused_norm=False))
+                             numerics=Numerics(amp_level="O0", flash_attention=False, fused_norm=False))
     return {k: round(v * 1024, 1) for k, v in parts.items() if k not in ("stage", "params")}
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.config import AMP_LEVELS, RunConfig, dump_run_config, flag_values, load_run_config, to_dict
+from labkit.config import AMP_LEVELS, RunConfig, loss_scaled, dump_run_config, flag_values, load_run_config, to_dict
 from labkit.data import dataset as data
 from labkit.data import loader
 from labkit.errors import LabkitError, LabkitFailure
@@ -61,6 +61,9 @@ class Trainer:
         if cfg.data.seq_len > mcfg.max_position_embeddings:
             raise LabkitError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
                               f"{mcfg.max_position_embeddings}", "shorten data.seq_len or raise the model's limit")
+        if cfg.parallel.device_target == "CPU" and AMP_LEVELS[t.amp_level]["compute_dtype"] == "bfloat16":
+            raise LabkitError(f"train.amp_level {t.amp_level} computes in bfloat16: MindSpore 2.9's CPU build has no "
+                              "bfloat16 MatMul kernel", "use amp_level O0, O2 or fp16 on CPU; bf16 is for Ascend")
         run_dir.check_init_checkpoint(t.init_checkpoint, cfg)  # names, shapes, dtypes against the model config
         # resume: the checkpoint against the config (model, dtype, loss-scale state, data order); see run_dir
         folder = run_dir.check_run_folder(self.out, resume=True, overwrite=False, steps=t.steps,
@@ -104,7 +107,7 @@ class Trainer:
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             learning_rate=WarmupCosine(t), beta1=t.beta1, beta2=t.beta2, eps=t.eps)
         self.scaler = None
-        if t.amp_level != "O0":
+        if loss_scaled(t.amp_level):
             self.scaler = ms.amp.DynamicLossScaler(t.loss_scale, t.scale_factor, t.scale_window)
         self._compile(net)
         self.evaluator, self.sampler = self._evaluation(net, checked.stats)

@@ -9,7 +9,7 @@
     results   final figures, shape proofs without weights, the two 7B recipes compared
 
 The notebook imports this package; the names below are its whole interface."""
-from labkit.course.pretrain.params import Param, PARAMETERS, PARAMS, DEFAULTS, PRESETS, DEVICE_FOR_TARGET, AMP_PRECISION, SEED_AS_WRITTEN  # noqa: F401
+from labkit.course.pretrain.params import Param, PARAMETERS, PARAMS, DEFAULTS, PRESETS, DEVICE_FOR_TARGET, SEED_AS_WRITTEN  # noqa: F401
 from labkit.course.pretrain.layouts import estimate  # noqa: F401
 from labkit.course.pretrain.runspec import PretrainRun, host_ram_gib, getattr_dotted, resolve  # noqa: F401
 from labkit.course.pretrain.outputs import (layout_table, mindformers_yaml, commands, write_configs,  # noqa: F401

@@ -2,7 +2,6 @@
 recomputation), the batch arithmetic for one dp, and whether this machine has the devices for its share."""
 from __future__ import annotations
 
-from labkit.course.pretrain.params import AMP_PRECISION
 from labkit.doctor.env import collect_hardware
 from labkit.errors import LabkitError
 from labkit.parallel import planner
@@ -17,7 +16,6 @@ def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_atte
     """The planner's Strategy for one layout. labkit recomputes whole layers (`last:K` etc.): memory and time are the
     planner's rows for Recompute.planner_modes (`none` and `full`) weighted by the fraction of layers recomputed.
     `machine`: a labkit.parallel.planner.Machine; `layout`: a labkit.layout.Layout."""
-    precision, master = AMP_PRECISION[amp_level]
     lay, memory_gib, devices = layout, machine.device_memory_gib, machine.devices
     dp, mp, pp = lay.dp, lay.mp, lay.pp
     modes = lay.recompute.planner_modes(model.num_layers)
@@ -25,9 +23,9 @@ def estimate(model, machine, layout, *, seq_len: int, amp_level: str, flash_atte
     rows = {}
     for rc in modes:
         res = planner.plan(model, machine, seq_len=seq_len, global_batch=lay.global_batch,
-                           numerics=Numerics(precision=precision, master_weights=master,
+                           numerics=Numerics(amp_level=amp_level,
                                              flash_attention=flash_attention),
-                           constraints={**lay.row(), "recompute": rc})
+                           constraints={**lay.row(), "recompute": rc}, optimizer=lay.optimizer)
         if not res["strategies"]:
             raise LabkitError(f"dp {dp} x mp {mp} x pp {pp} cannot run this model: "
                               + ("; ".join(res["skipped"]) or "no valid strategy"))

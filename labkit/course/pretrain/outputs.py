@@ -6,12 +6,11 @@ import json
 import shlex
 from pathlib import Path
 
-from labkit.config import AMP_LEVELS, dump_run_config
+from labkit.config import dump_run_config
 from labkit.course.pretrain.params import DEFAULTS
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.io import atomic_write_text
 from labkit.launch.validate import PreparedLaunch, command
-from labkit.model.llama import Backend, llama_config_kwargs
 from labkit.parallel import mindformers_yaml as mf_yaml
 
 
@@ -29,58 +28,10 @@ def layout_table(run: PretrainRun, top: int = 8):
 
 
 def mindformers_yaml(run: PretrainRun) -> str:
-    """The same run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
-    available in the installed mindformers 1.9.0)."""
-    import yaml
-
-
-    c, t, p, s = run.cfg, run.cfg.train, run.cfg.parallel, run.strategy
-    mode = p.parallel_mode if p.parallel_mode in mf_yaml.PARALLEL_MODES else "data_parallel"
-    par = mf_yaml.mindformers_parallel_config(s.layout, parallel_mode=mode, search_mode=p.search_mode,
-                                              num_layers=run.model.num_layers)
-    par["use_parallel"] = run.devices > 1
-    dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": c.data.dataset or "", "shuffle": c.data.shuffle},
-               "input_columns": ["input_ids"], "num_parallel_workers": c.data.num_parallel_workers,
-               "python_multiprocessing": False, "drop_remainder": True, "batch_size": t.micro_batch, "repeat": 1,
-               "numa_enable": False, "prefetch_size": c.data.prefetch}
-    scale = 1.0 if t.amp_level == "O0" else {"type": "DynamicLossScaleUpdateCell", "loss_scale_value": t.loss_scale,
-                                              "scale_factor": t.scale_factor, "scale_window": t.scale_window}
-    context = {"mode": 0 if t.mode == "graph" else 1, "device_target": p.device_target, "max_call_depth": 10000,
-               "save_graphs": False, "device_id": 0}
-    if p.device_target != "CPU":
-        context["max_device_memory"] = f"{max(1.0, run.device_memory_gib - run.device.overhead_gib):g}GB"
-    doc = {
-        "seed": t.seed, "output_dir": "./output", "run_mode": "train", "load_checkpoint": t.init_checkpoint or "",
-        "auto_trans_ckpt": False, "resume_training": run.resume, "src_strategy_path_or_dir": "",
-        "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": run.model.name},
-        "runner_config": {"epochs": 1, "batch_size": t.micro_batch, "sink_mode": True, "sink_size": 1,
-                          **par.pop("runner_config")},
-        "optimizer": {"type": "AdamW", "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay},
-        "lr_schedule": {"type": "CosineWithWarmUpLR", "learning_rate": t.lr, "lr_end": t.min_lr,
-                        "warmup_steps": t.warmup_steps, "total_steps": t.decay_steps},
-        "train_dataset": dataset,
-        "train_dataset_task": {"type": "CausalLanguageModelDataset", "dataset_config": dataset},
-        **par,
-        "context": context,
-        "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
-            run.model, seq_length=c.data.seq_len, batch_size=t.micro_batch,
-            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))},
-                  "arch": {"type": "LlamaForCausalLM"}},
-        "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
-                      "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
-                                    "vocab_file": str(Path(c.data.tokenizer) / "tokenizer.model")}},
-        "runner_wrapper": {"type": "MFTrainOneStepCell", "scale_sense": scale, "use_clip_grad": t.grad_clip > 0,
-                           "max_grad_norm": t.grad_clip or 1.0},
-        "callbacks": [{"type": "MFLossMonitor"},
-                      {"type": "CheckpointMonitor", "prefix": run.model.name, "integrated_save": False,
-                       "save_checkpoint_steps": t.save_every or t.steps, "keep_checkpoint_max": t.keep_checkpoints}],
-    }
-    head = (f"# mindformers run YAML for the run in run.yaml beside this file (written by labkit.course.pretrain).\n"
-            f"# Start: see launch.sh. Differences from labkit's own loop: mindformers trains `epochs` passes over\n"
-            f"# the dataset (no step limit: choose epochs x samples / global batch {t.global_batch} ~ steps "
-            f"{t.steps});\n# recompute [n] recomputes the first n layers of each pipeline stage (labkit: "
-            f"{str(t.recompute)!r}, the same memory).\n")
-    return head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+    """The same run as a mindformers run YAML (labkit.parallel.mindformers_yaml.run_yaml_text)."""
+    memory = run.device_memory_gib - run.device.overhead_gib if run.cfg.parallel.device_target != "CPU" else None
+    return mf_yaml.run_yaml_text(run.cfg, run.strategy.layout, model=run.model, devices=run.devices,
+                                 max_device_memory_gib=memory, resume=run.resume)
 
 
 def commands(run: PretrainRun) -> dict:

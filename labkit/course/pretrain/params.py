@@ -6,7 +6,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from labkit.config import AMP_LEVELS, RunConfig
+from labkit.config import RunConfig
 from labkit.layout import Recompute
 
 
@@ -70,7 +70,11 @@ PARAMETERS = (
     Param("mp", None, None, "parallel.mp", "tensor-parallel size; None: the planner's best (1 on CPU)"),
     Param("pp", None, None, "parallel.pp", "pipeline stages; None: the planner's best (1 on CPU)"),
     Param("optimizer_shard", None, None, "parallel.optimizer_shard",
-          "shard optimizer states over dp (Ascend/GPU); None: the config's"),
+          "MindSpore's parallel optimizer: weights and optimizer states sharded over dp (Ascend/GPU); None: the "
+          "config's"),
+    Param("optimizer_level", None, None, "parallel.optimizer_level",
+          "level1 (weights, moments), level2 (+ gradients and the accumulation buffer) or level3 (+ weights "
+          "gathered again for the backward); None: the config's"),
     Param("micro_batch", None, None, "train.micro_batch",
           "samples per device per micro-step; None: the config's, lowered to divide global_batch / dp"),
     Param("accum", None, None, "train.accum", "micro-steps per optimizer step; None: global_batch / "
@@ -80,8 +84,8 @@ PARAMETERS = (
     Param("seq_len", None, None, "data.seq_len", "tokens per sample; None: the config's"),
     Param("recompute", None, None, "train.recompute", "none, all, last:K, first:K or A-B (layers); "
           "None: the config's"),
-    Param("amp_level", None, None, "train.amp_level", "O0 (fp32), O2 (fp16 compute, fp32 weights) or "
-          "O3; None: the config's"),
+    Param("amp_level", None, None, "train.amp_level", "O0 (fp32), O2 (fp16 compute, fp32 weights), O3, fp16 "
+          "or bf16 (mindformers' 7B recipes: fp16 weights, fp16/bf16 compute); None: the config's"),
     Param("lr", None, None, "train.lr", "peak learning rate; None: the config's"),
     Param("warmup_steps", None, None, "train.warmup_steps", "linear warmup steps; None: the config's"),
     Param("min_lr", None, None, "train.min_lr", "end of the cosine decay; None: the config's"),
@@ -118,14 +122,6 @@ PRESETS = {
 
 
 DEVICE_FOR_TARGET = {"CPU": "cpu", "Ascend": "atlas_800t_a2", "GPU": "a100_80g"}
-
-
-# how the planner counts each mixed-precision level (labkit.config.AMP_LEVELS, the one table of them):
-# (compute precision, fp32 master weights kept beside lower-precision compute)
-_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-AMP_PRECISION = {level: (_SHORT[d["compute_dtype"]],
-                         d["param_dtype"] == "float32" and d["compute_dtype"] != "float32")
-                 for level, d in AMP_LEVELS.items()}
 
 
 # what the seeds' reference configuration says, before the change configs/llama2_7b_seed.yaml ships

@@ -149,7 +149,7 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     dp = p.dp or devices // (p.mp * p.pp)
     machine = Machine(devices, memory, device=dev, nodes=max(1, devices // dev.devices_per_node))
     layout = Layout(dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
-                    optimizer_shard=p.optimizer_shard)
+                    optimizer_shard=p.optimizer_shard, optimizer=p.optimizer())
     flash = backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention
     row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=flash)
     m = row.memory_gib
@@ -157,24 +157,69 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     return {"recipe": name, "device": f"{devices} x {dev.name} ({memory:g} GiB)",
             "global batch": f"{t.micro_batch} x {dp} x {t.accum} = {t.micro_batch * dp * t.accum}",
             "tokens/step": tokens_per_step, "amp": t.amp_level, "recompute": str(t.recompute),
-            "optimizer_shard": p.optimizer_shard, "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
+            "optimizer_shard": p.optimizer_shard and f"on, {p.optimizer_level}",
+            "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
             "model states GiB": round(m["weights"] + m["gradients"] + m["optimizer"], 1),
-            "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row.fits,
+            "weight copies GiB": round(m["copies"], 1), "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row.fits,
             "step s": round(row.step_time_s, 2), "tokens/s/device": round(row.tokens_per_s_per_device),
             "MFU": round(row.mfu, 3),
             f"days for {tokens / 1e9:g}B tokens": round(tokens / row.tokens_per_s / 86400, 1)}
 
 
 def compare_recipes(tokens: float = 100e9) -> list[dict]:
-    """mindformers' recipe and the seeds' (as written, the two changes, as shipped) on the lab's 7B hardware
-    (8 x Atlas 800T A2, 64 GiB), and the seeds' on their own (8 x A100 80 GB, no flash attention on GPU)."""
-    seed, mb4 = "configs/llama2_7b_seed.yaml", {"train.micro_batch": 4, "train.accum": 16}
-    gpu = {"parallel.device_target": "GPU"}
-    return [recipe_row("mindformers", "configs/llama2_7b_mindformers.yaml", tokens=tokens),
+    """On the lab's 7B hardware (8 x Atlas 800T A2, 64 GiB): mindformers' recipe (fp16, the baseline), its bf16
+    twin, the same with the lab's old O2 (float32 weights: what that costs) and the fix that makes O2 fit; the seeds'
+    recipe as written, the changes tried, as shipped; the seeds' on their own 8 x A100 80 GB (no flash attention)."""
+    mf, seed = "configs/llama2_7b_mindformers.yaml", "configs/llama2_7b_seed.yaml"
+    mb4, gpu = {"train.micro_batch": 4, "train.accum": 16}, {"parallel.device_target": "GPU"}
+    return [recipe_row("mindformers (fp16)", mf, tokens=tokens),
+            recipe_row("mindformers bf16", mf, {"train.amp_level": "bf16"}, tokens=tokens),
+            recipe_row("mindformers + O2", mf, {"train.amp_level": "O2"}, tokens=tokens),
+            recipe_row("mindformers + O2 + level2", mf, {"train.amp_level": "O2", "parallel.optimizer_level": "level2"},
+                       tokens=tokens),
             recipe_row("seed as written", seed, SEED_AS_WRITTEN, tokens=tokens),
-            recipe_row("seed + optimizer_shard", seed, {**mb4}, tokens=tokens),
-            recipe_row("seed + optimizer_shard + recompute all", seed, {**mb4, "train.recompute": "all"},
+            recipe_row("seed + optimizer_shard", seed, {**mb4, "parallel.optimizer_level": "level1"}, tokens=tokens),
+            recipe_row("seed + optimizer_shard level2 + recompute all", seed, {**mb4, "train.recompute": "all"},
                        tokens=tokens),
             recipe_row("seed as shipped", seed, tokens=tokens),
             recipe_row("seed as written", seed, {**SEED_AS_WRITTEN, **gpu}, tokens=tokens, device="a100_80g"),
             recipe_row("seed as shipped", seed, gpu, tokens=tokens, device="a100_80g")]
+
+
+# What only the cluster can settle about the 7B plan: each line the planner counts from MindSpore's source or
+# documentation rather than from an object built here, the switch that measures it, and the figure to compare.
+# mindformers' profiler keys (its run YAML): profile: True, profile_memory: True, profile_start_step,
+# profile_stop_step, profiler_level; it calls mindspore.profiler with profile_memory and writes memory_record.csv and
+# operator_memory.csv under output_dir/profile/rank_N/.../ASCEND_PROFILER_OUTPUT/.
+CLUSTER_CHECKS = [
+    ("the gathered weights live from forward to backward at level1/level2 (MindSpore's level3 docstring implies it)",
+     "profile_memory: True; operator_memory.csv, the AllGather outputs' lifetimes", "copies"),
+    ("the all-gather runs in the compute dtype (step_parallel_utils.cc FindChildCastWithFP32ToFP16, pp > 1 or "
+     "accumulation)", "operator_memory.csv: the AllGather outputs' dtype and size", "copies"),
+    ("the weight all-gather repeats every micro-step (MicroStepAllGather) or once a step",
+     "profile: True; the AllGather count per step in the timeline", "step time"),
+    ("accu_grads are whole at level1, 1/dp at level2/level3 (parameter_manager.cc SetClonedTensorShapeForOptimizer)",
+     "memory_record.csv: the static memory after compilation", "gradients"),
+    ("no gradient buffer beside accu_grads (each micro-step adds into it)", "memory_record.csv: the peak", "total"),
+    ("the activations the planner counts (calibrated on CPU, Korthikanti's tensors on Ascend)",
+     "mindspore.runtime.max_memory_allocated() after step 2", "activations"),
+]
+
+
+# The throughput mindformers publishes for Llama-2-7B on Atlas 800T A2 (docs/model_cards/llama2.md per release).
+THROUGHPUT_ANCHORS = [
+    {"tokens/s/card": 4820, "task": "pretraining (wiki, seq 4096)", "dtype": "float16",
+     "yaml": "configs/llama2/pretrain_llama2_7b.yaml", "releases": "r1.1, r1.2",
+     "use": "calibrates the planner's efficiency: the one pretraining figure, with the recipe the lab writes"},
+    {"tokens/s/card": 4160, "task": "fine-tuning (alpaca, seq 4096), labelled Finetune", "dtype": "bfloat16",
+     "yaml": "configs/llama2/pretrain_llama2_7b_bf16.yaml", "releases": "r1.3-r1.5",
+     "use": "not a pretraining figure: shown, not used"},
+]
+
+
+def cluster_checks(strategy) -> list[dict]:
+    """CLUSTER_CHECKS with the planner's figure (GiB per device, or s per step) each compares against."""
+    m = strategy.memory_gib
+    return [{"to check": what, "how": how,
+             "planner says": f"{strategy.step_time_s:.2f} s/step" if part == "step time" else f"{m[part]:.1f} GiB"}
+            for what, how, part in CLUSTER_CHECKS]

@@ -27,13 +27,14 @@ from pathlib import Path
 
 from labkit.config import RunConfig, coerce, load, load_run_config, set_value, to_dict
 from labkit.course.pretrain.layouts import divisors, estimate, shortfall, split_batch
-from labkit.course.pretrain.params import AMP_PRECISION, DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
+from labkit.course.pretrain.params import DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
 from labkit.course.runner import CALLER_ENV
 from labkit.errors import LabkitError
 from labkit.layout import Layout
 from labkit.model.llama import backend_flags
 from labkit.model.shapes import num_params
 from labkit.parallel import planner
+from labkit.parallel.planner import FIT_MARGIN_GIB
 from labkit.parallel.devices import GIB, device_preset
 from labkit.parallel.memory import Numerics
 from labkit.parallel.planner import Machine
@@ -76,13 +77,15 @@ class PretrainRun:
                  f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
                  f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
                  f"layout: dp {p.dp} x mp {p.mp} x pp {p.pp} = {p.dp * p.mp * p.pp} devices "
-                 f"({p.parallel_mode}, optimizer_shard {p.optimizer_shard})",
+                 f"({p.parallel_mode}, optimizer_shard {p.optimizer_shard}"
+                 + (f", {p.optimizer_level})" if p.optimizer_shard else ")") + f", amp_level {t.amp_level}",
                  f"batch: micro_batch {t.micro_batch} x dp {p.dp} x accum {t.accum} = global_batch "
                  f"{t.global_batch} samples x {self.cfg.data.seq_len} tokens",
                  f"memory per device (planner): {m['total']:.1f} of {self.device_memory_gib:g} GiB = weights "
                  f"{m['weights']:.1f} + gradients {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + "
-                 f"activations {m['activations']:.2f} + overhead {m['overhead']:.1f} -> "
-                 + ("fits" if s.fits else "DOES NOT FIT"),
+                 f"weight copies {m['copies']:.1f} + activations {m['activations']:.2f} + overhead "
+                 f"{m['overhead']:.1f} -> " + ("fits" if s.fits else "DOES NOT FIT")
+                 + f" (with {FIT_MARGIN_GIB:g} GiB of the pool to spare)",
                  f"predicted: {s.step_time_s:.3g} s/step, {s.tokens_per_s_per_device:,.0f} tokens/s per "
                  f"device, MFU {s.mfu:.0%}",
                  f"output: {self.output_dir}",
@@ -283,7 +286,8 @@ def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tu
             if why is None:
                 try:
                     layout = Layout(dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
-                                    optimizer_shard=pin.optimizer_shard and d > 1)
+                                    optimizer_shard=pin.optimizer_shard and d > 1,
+                                    optimizer=s.cfg.parallel.optimizer())
                     rows.append(estimate(s.model, machine, layout, seq_len=s.cfg.data.seq_len,
                                          amp_level=t.amp_level, flash_attention=flash))
                 except LabkitError as e:
@@ -409,7 +413,6 @@ def _check_files(run: PretrainRun, checkpoint) -> None:
 
 def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) -> str:
     """The planner's fastest fitting strategy for the machine's devices, as parameters to pass."""
-    precision, master = AMP_PRECISION[cfg.train.amp_level]
     target = cfg.parallel.device_target
     found = []
     for rc in ("none", "full"):
@@ -417,8 +420,8 @@ def _memory_fix(model, machine, cfg: RunConfig, global_batch: int, flash: bool) 
         if target == "CPU":
             cons["optimizer_shard"] = False
         res = planner.plan(model, machine, seq_len=cfg.data.seq_len, global_batch=global_batch,
-                           numerics=Numerics(precision=precision, master_weights=master, flash_attention=flash),
-                           constraints=cons)
+                           numerics=Numerics(amp_level=cfg.train.amp_level, flash_attention=flash),
+                           constraints=cons, optimizer=cfg.parallel.optimizer())
         found += [r for r in res["strategies"] if r.fits]
         why = res["why"]
     if not found:
