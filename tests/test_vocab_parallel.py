@@ -5,7 +5,8 @@ and logit gradients must be the plain cross-entropy's on the whole vocabulary, t
 table's. The msrun runs (tests/test_layouts.py) train the same code between processes."""
 from __future__ import annotations
 
-import threading
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,9 @@ from labkit.errors import LabkitError
 from labkit.model import scratch
 from labkit.parallel import collectives
 
+sys.path.insert(0, str(Path(__file__).parent))
+from thread_group import Threads  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ms():
@@ -22,64 +26,6 @@ def ms():
 
     mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
     return mindspore
-
-
-class Threads:
-    """`size` threads of this process as one group: each collective hands every member's tensor to all. A member
-    computes only while it holds `turn`, which it gives up while it waits at a collective."""
-
-    def __init__(self, size: int):
-        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=60), [None] * size
-        self.turn = threading.Lock()
-
-    def run(self, fn) -> list:
-        """fn(member) on every member at once; the results in member order."""
-        out, errors = [None] * self.size, []
-
-        def body(i):
-            self.turn.acquire()
-            try:
-                out[i] = fn(Member(self, i))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                errors.append(e)
-                self.barrier.abort()
-            finally:
-                self.turn.release()
-
-        threads = [threading.Thread(target=body, args=(i,)) for i in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-class Member:
-    def __init__(self, threads: Threads, index: int):
-        self.threads, self.size, self.index = threads, threads.size, index
-
-    def _exchange(self, x) -> list:
-        self.threads.slots[self.index] = x.asnumpy()
-        self.threads.turn.release()
-        try:
-            self.threads.barrier.wait()
-            every = list(self.threads.slots)  # every member copies before any writes its next tensor
-            self.threads.barrier.wait()
-        finally:
-            self.threads.turn.acquire()
-        return every
-
-    def all_reduce(self, x, name: str = ""):
-        import mindspore
-
-        return mindspore.Tensor(np.sum(self._exchange(x), axis=0))
-
-    def stack_by_sum(self, x, name: str = ""):
-        import mindspore
-
-        return mindspore.Tensor(np.stack(self._exchange(x)))
 
 
 def _plain(ms, logits, labels):

@@ -188,7 +188,8 @@ def load(root: Path, name: str) -> list[dict]:
 
 def gathered(rows: list[dict]) -> dict:
     """The full model from a layout's workers: tensor-parallel slices joined, pipeline stages merged (the first
-    data-parallel replica; every replica holds the same weights)."""
+    data-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
+    of the weights, and gathers the full weights to save them (labkit.training.optimizer_parallel)."""
     full, lay = {}, rows[0]["layout"]
     replica = [r for r in rows if r["place"][0] == 0]
     for name in {n for r in replica for n in r["weights"]}:
@@ -271,10 +272,14 @@ def explained(lay: dict, stage: str) -> dict:
 
 
 def against_planner(result: dict) -> list[dict]:
-    """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left."""
+    """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left.
+    The optimizer-parallel layouts (opt_level, weights sharded too) are not put beside the planner yet: their bytes
+    are in each worker's "held"."""
     rows = []
     for name, row in result["layouts"].items():
         lay = row["layout"]
+        if lay.get("opt_level"):
+            continue
         for w in row["per_worker"]:
             stage = "only" if lay["pp"] == 1 else ("first", "last")[w["place"][1]]
             plan, why = planner_lines(lay, stage), explained(lay, stage)
@@ -289,6 +294,7 @@ def against_planner(result: dict) -> list[dict]:
 MAIN_OPS = {"tp": ("tp_all_reduce_fwd", "tp_all_reduce_bwd"),
             "sp": ("sp_all_gather_fwd", "sp_all_gather_bwd", "sp_reduce_scatter_fwd", "sp_reduce_scatter_bwd"),
             "dp": ("dp_all_reduce",), "zero": ("zero1_reduce_scatter", "zero2_reduce_scatter", "zero_all_gather"),
+            "opt": ("opt_all_gather", "opt_regather", "opt_reduce_scatter"),
             "pp": ("pp_activation", "pp_gradient"),
             "vocab": ("vocab_embed_all_reduce_fwd", "vocab_head_all_reduce_bwd", "vocab_max_all_gather",
                       "vocab_ce_all_reduce")}
@@ -298,7 +304,9 @@ def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> 
     """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
     tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
     all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
-    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times); pipeline b·s·h per micro-batch
+    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times; optimizer parallel all-gathers
+    the weights for every micro-step's forward, again for its backward at level3, and reduce-scatters the gradients
+    once (level1) or every micro-step (level2/3)); pipeline b·s·h per micro-batch
     per boundary, forward from stage 0, backward from stage 1; the vocabulary-parallel embedding and head an
     all-reduce of b·s·h each way and the loss's two small collectives over b·s tokens."""
     cfg = layouts.model_cfg(settings)
@@ -314,6 +322,10 @@ def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> 
         out["zero" if lay["zero"] else "dp"] = ring(lay["dp"]) * per
         if lay["zero"] == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
             out["zero"] = (lay["micro"] + 1) * (lay["dp"] - 1) / lay["dp"] * per
+        level, m = lay.get("opt_level", 0), lay["micro"]
+        if level:  # all-gathers and reduce-scatters of the weights' size, (p - 1)/p of it each
+            del out["dp"]
+            out["opt"] = (m * (2 if level == 3 else 1) + (1 if level == 1 else m)) * (lay["dp"] - 1) / lay["dp"] * per
     if lay["tp"] > 1 and lay.get("vocab"):
         # the embedding's partial lookups summed forward, the head input's gradient summed backward (b·s·h each);
         # the loss: an all-gather of every worker's row maxima, an all-reduce of [2, b·s] (target logit, sum of exp)
@@ -354,7 +366,7 @@ EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
             ("use_seq_parallel", lambda s: s.sequence_parallel, "sp2", "06a §3-§4"),
             ("data_parallel x model_parallel", lambda s: s.dp > 1 and s.mp > 1, "dp2_tp2", "06a §4"),
             ("pipeline_stage + micro_batch_num", lambda s: s.pp > 1, "pp2_1f1b", "06b §1"),
-            ("optimizer_shard", lambda s: s.optimizer_shard, "zero1", "06b §2"))
+            ("optimizer_shard", lambda s: s.optimizer_shard, "opt1", "06b §2"))
 
 
 def evidence(layout, root: Path = CACHE) -> list[dict]:

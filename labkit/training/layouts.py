@@ -12,7 +12,8 @@ profile.py would hide the standard library's (which transformers imports).
 
 A launch pays MindSpore's start-up once and runs its layouts one after the other; each writes, per rank,
 OUT/<layout>/rank<r>.json (losses, grad norms, bytes held and sent, the pipeline's timeline) and
-OUT/<layout>/weights_rank<r>.npz (the worker's final parameters, its tensor-parallel slices as they are).
+OUT/<layout>/weights_rank<r>.npz (the worker's final parameters, its tensor-parallel slices as they are; an
+optimizer-parallel worker gathers its full weights from the slices to save them).
 The reference runs the same model, data, seed and step on one process, in float32 (the run to equal) and in
 float64 (to measure how far float32 rounding alone moves the float32 run: the tolerance's yardstick)."""
 from __future__ import annotations
@@ -34,6 +35,7 @@ from labkit.io import atomic_write_text
 from labkit.model import scratch
 from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
 from labkit.runtime import prepare_process
+from labkit.training.optimizer_parallel import OptimizerParallel
 from labkit.training.pipeline import pipeline_step
 from labkit.training.sharded import HandLayout, Optim, Worker
 
@@ -41,7 +43,9 @@ LAYOUTS = {
     2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
         HandLayout("pp2_gpipe", pp=2, micro=4, schedule="gpipe"),
         HandLayout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
-        HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2)],
+        HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2),
+        HandLayout("opt1", dp=2, opt_level=1, micro=2), HandLayout("opt2", dp=2, opt_level=2, micro=2),
+        HandLayout("opt3", dp=2, opt_level=3, micro=2)],
     4: [HandLayout("dp2_tp2", dp=2, tp=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
@@ -86,7 +90,8 @@ def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings:
     layout.check(cfg, settings["global_batch"])
     traffic = Traffic()
     groups = groups_of(layout, rank, world, traffic)
-    worker = Worker(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, Optim(), dtype)
+    kind = OptimizerParallel if layout.opt_level else Worker
+    worker = kind(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, Optim(), dtype)
     batches = step_batches(layout, layout.place(rank)[0], settings)
     steps, t0 = [], time.time()
     io0 = io_bytes()

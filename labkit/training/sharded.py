@@ -14,7 +14,8 @@ One optimizer step, whatever the layout:
     5. global norm = sqrt of the squares summed once per element (tp-split, stage, ZeRO shards add up; replicated
        copies count once), clip factor min(clip / (norm + 1e-6), 1)
     6. AdamW on what this worker owns; ZeRO all-gathers the updated parameter shards
-Pipeline layouts run `labkit.training.pipeline` for step 3."""
+Pipeline layouts run `labkit.training.pipeline` for step 3; MindSpore's optimizer parallel (a worker that keeps only
+its 1/dp slice of the weights) is `labkit.training.optimizer_parallel`."""
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ class HandLayout:
     sp: bool = False  # sequence parallel (needs tp > 1)
     vocab: bool = True  # with tp > 1: the embedding and the head split by vocabulary rows (False: whole on each)
     zero: int = 0  # 0: every worker keeps all optimizer states; 1: states sharded over dp; 2: gradients too
+    opt_level: int = 0  # MindSpore's optimizer parallel (optimizer_level level1-3): weights sharded too; 0: off
     micro: int = 1  # micro-batches per step: pipeline micro-batches, or accumulation steps elsewhere
     schedule: str = "1f1b"  # pipeline schedule
 
@@ -58,10 +60,17 @@ class HandLayout:
         where = f"layout '{self.name}'"
         if self.sp and self.tp < 2:
             raise LabkitError(f"{where}: sequence parallel needs tp >= 2")
-        if self.zero and (self.tp > 1 or self.pp > 1):
-            raise LabkitError(f"{where}: ZeRO is written here for pure data parallel", "use tp = pp = 1 with zero")
-        if self.zero not in (0, 1, 2) or self.schedule not in SCHEDULES:
-            raise LabkitError(f"{where}: zero must be 0, 1 or 2 and schedule one of {', '.join(SCHEDULES)}")
+        if self.zero and self.opt_level:
+            raise LabkitError(f"{where}: zero and opt_level are two ways of sharding over dp",
+                              "choose one: zero (Megatron/DeepSpeed's ZeRO) or opt_level (MindSpore's optimizer "
+                              "parallel)")
+        if (self.zero or self.opt_level) and (self.tp > 1 or self.pp > 1):
+            kind = "ZeRO" if self.zero else "optimizer parallel"
+            raise LabkitError(f"{where}: {kind} is written here for pure data parallel",
+                              f"use tp = pp = 1 with {'zero' if self.zero else 'opt_level'}")
+        if self.zero not in (0, 1, 2) or self.opt_level not in (0, 1, 2, 3) or self.schedule not in SCHEDULES:
+            raise LabkitError(f"{where}: zero must be 0, 1 or 2, opt_level 0 to 3 and schedule one of "
+                              f"{', '.join(SCHEDULES)}")
         if self.pp not in (1, 2):
             raise LabkitError(f"{where}: pipeline stages are written for pp = 2", "use pp 1 or 2")
         if self.pp > 1 and (self.dp > 1 or self.tp > 1):
@@ -126,20 +135,21 @@ class Worker:
         self.hooks = ((SequenceParallel if layout.sp else TensorParallel)(tp, layout.vocab) if layout.tp > 1
                       else scratch.Hooks())
         self.decay = {n: (optim.weight_decay if len(self.params[n].shape) > 1 else 0.0) for n in self.names}
-        if layout.zero:
-            self.flat = Flat([self.params[n].shape for n in self.names], groups["dp"].size)
-            k = self.flat.shard_size
-            lo = groups["dp"].index * k
-            wd = np.concatenate([np.full(int(np.prod(self.params[n].shape)), self.decay[n], np.float32)
-                                 for n in self.names] + [np.zeros(self.flat.padded - self.flat.size, np.float32)])
-            self.wd_shard = ms.Tensor(wd[lo:lo + k].astype(dtype))
-            self.m = ms.Tensor(np.zeros(k, dtype))
-            self.v = ms.Tensor(np.zeros(k, dtype))
+        if layout.zero or layout.opt_level:  # AdamW on this worker's 1/dp slice of the flat buffers only
+            self.buckets = Buckets(self.bucket_names(), {n: self.params[n].shape for n in self.names}, groups["dp"])
+            self.wd_shard = self.buckets.own({n: ms.Tensor(np.full(self.params[n].shape, self.decay[n], dtype))
+                                              for n in self.names})
+            self.m = ms.Tensor(np.zeros(self.buckets.size, dtype))
+            self.v = ms.Tensor(np.zeros(self.buckets.size, dtype))
         else:
             self.m = {n: ms.Tensor(np.zeros(self.params[n].shape, dtype)) for n in self.names}
             self.v = {n: ms.Tensor(np.zeros(self.params[n].shape, dtype)) for n in self.names}
         self.step = 0
         self.held = {}
+
+    def bucket_names(self) -> list[list[str]]:
+        """The parameters of each flat buffer the sharded optimizer slices: ZeRO puts all of them in one."""
+        return [self.names]
 
     # which parameters are split over tp (their square sums add over tp) and which the SP norms are
     def tp_split(self, name: str) -> bool:
@@ -148,26 +158,33 @@ class Worker:
     def sp_partial(self, name: str) -> bool:
         return self.layout.sp and name.endswith(("attention_norm.weight", "ffn_norm.weight"))
 
-    def loss_fn(self, tokens, labels, mask, count):
-        def f():
-            out = scratch.stage(self.params, tokens, mask, self.cfg, self.shard, self.hooks)
-            return scratch.loss_terms(out, labels, mask, self.hooks)[0] / count
-        return f
+    def loss(self, params: dict, tokens, labels, mask, count):
+        """This micro-batch's share of the global loss: its summed token cross-entropies over the global count."""
+        out = scratch.stage(params, tokens, mask, self.cfg, self.shard, self.hooks)
+        return scratch.loss_terms(out, labels, mask, self.hooks)[0] / count
+
+    def batch(self, micro_batches: list) -> tuple[list, object]:
+        """(inputs, labels, mask) per micro-batch (token ids [b, s+1] each) and the tokens of the global batch."""
+        import mindspore as ms
+
+        parts = [scratch.split_batch(ids, self.cfg.pad_token_id) for ids in micro_batches]
+        count = ms.Tensor(sum(float(m.asnumpy().sum()) for _, _, m in parts), ms.float32)
+        return parts, self.groups["dp"].all_reduce(count, "count")
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this worker's micro-batches (token ids [b, s+1] each); returns loss and norm."""
         import mindspore as ms
 
         dp = self.groups["dp"]
-        parts = [scratch.split_batch(ids, self.cfg.pad_token_id) for ids in micro_batches]
-        count = dp.all_reduce(ms.Tensor(sum(float(m.asnumpy().sum()) for _, _, m in parts), ms.float32), "count")
+        parts, count = self.batch(micro_batches)
         weights = [self.params[n] for n in self.names]
         acc, loss = None, 0.0
         for tokens, labels, mask in parts:
-            value, grads = ms.value_and_grad(self.loss_fn(tokens, labels, mask, count), None, weights)()
+            value, grads = ms.value_and_grad(lambda: self.loss(self.params, tokens, labels, mask, count), None,
+                                             weights)()
             loss += float(value.asnumpy())
             if self.layout.zero == 2:  # reduce-scatter now: keep only this worker's shard of the gradients
-                grads = dp.reduce_scatter(self.flat.pack(grads), 0, "zero2_reduce_scatter")
+                grads = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, grads))), "zero2_reduce_scatter")
             acc = grads if acc is None else (acc + grads if self.layout.zero == 2 else
                                              tuple(a + g for a, g in zip(acc, grads)))
         loss = self.sum_over(dp, loss, "loss")
@@ -186,7 +203,7 @@ class Worker:
         whole = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if not self.tp_split(n))
         sq = self.sum_over(tp, split, "norm_tp") + whole
         norm = math.sqrt(self.sum_over(self.groups["pp"], sq, "norm_pp"))
-        scale = min(self.o.grad_clip / (norm + 1e-6), 1.0) if self.o.grad_clip > 0 else 1.0
+        scale = self.clip_scale(norm)
         lr = lr_at(self.step, self.o)
         for n in self.names:
             p, self.m[n], self.v[n] = adamw(self.params[n], grads[n] * scale, self.m[n], self.v[n], lr,
@@ -202,24 +219,30 @@ class Worker:
             return value
         return float(group.all_reduce(ms.Tensor(value, ms.float32), name).asnumpy())  # AllReduce has no float64
 
+    def clip_scale(self, norm: float) -> float:
+        return min(self.o.grad_clip / (norm + 1e-6), 1.0) if self.o.grad_clip > 0 else 1.0
+
+    def sharded_adamw(self, p, g):
+        """Steps 5-6 on this worker's slice `p` of the flat buffers, `g` the gradient slice summed over dp: the
+        global norm from every slice's squares summed over dp (each element counted once), clip, AdamW on the
+        slice with its moments. Returns (updated slice, norm); shared by ZeRO and optimizer parallel."""
+        norm = math.sqrt(self.sum_over(self.groups["dp"], float((g * g).sum().asnumpy()), "norm_dp"))
+        p, self.m, self.v = adamw(p, g * self.clip_scale(norm), self.m, self.v, lr_at(self.step, self.o),
+                                  self.wd_shard, self.o)
+        self.step += 1
+        return p, norm
+
     def _zero_update(self, acc, loss: float) -> dict:
         """ZeRO: this worker updates its 1/dp shard of the flat parameter vector, then all shards are gathered."""
-        dp = self.groups["dp"]
         if self.layout.zero == 1:  # the full local gradients were kept; reduce-scatter them once
             self.held = {"grads": sum(nbytes(g) for g in acc)}
-            g = dp.reduce_scatter(self.flat.pack(acc), 0, "zero1_reduce_scatter")
+            g = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, acc))), "zero1_reduce_scatter")
         else:
             self.held = {"grads": nbytes(acc)}
             g = acc
-        norm = math.sqrt(self.sum_over(dp, float((g * g).sum().asnumpy()), "norm_dp"))
-        scale = min(self.o.grad_clip / (norm + 1e-6), 1.0) if self.o.grad_clip > 0 else 1.0
-        k = self.flat.shard_size
-        p = self.flat.pack([self.params[n] for n in self.names])[dp.index * k:(dp.index + 1) * k]
-        p, self.m, self.v = adamw(p, g * scale, self.m, self.v, lr_at(self.step, self.o), self.wd_shard, self.o)
-        full = dp.all_gather(p, 0, "zero_all_gather")
-        for n, value in zip(self.names, self.flat.unpack(full)):
+        p, norm = self.sharded_adamw(self.buckets.own(self.params), g)
+        for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, "zero_all_gather")).items():
             self.params[n].set_data(value)
-        self.step += 1
         return {"loss": loss, "grad_norm": norm}
 
     def bytes_held(self) -> dict:
@@ -234,7 +257,7 @@ class Worker:
 
 
 class Flat:
-    """Parameters or gradients as one flat vector, padded to a multiple of the shard count (ZeRO's buffer)."""
+    """Parameters or gradients as one flat vector, padded to a multiple of the shard count (a sharded buffer)."""
 
     def __init__(self, shapes: list, shards: int):
         self.shapes = [tuple(s) for s in shapes]
@@ -260,3 +283,43 @@ class Flat:
             at += n
         return out
 
+
+
+class Buckets:
+    """The parameters in flat buffers (`Flat`), each padded to a multiple of the dp size; the worker of dp index r
+    owns the r-th 1/dp slice of every buffer, kept as one vector: its slices one after another (`size` elements).
+    ZeRO uses one buffer of every parameter; optimizer parallel one per unit it gathers at once
+    (labkit.training.optimizer_parallel.units)."""
+
+    def __init__(self, names: list[list[str]], shapes: dict, dp: Group):
+        self.names, self.dp = names, dp
+        self.flats = [Flat([shapes[n] for n in group], dp.size) for group in names]
+        self.starts = [0]
+        for flat in self.flats:
+            self.starts.append(self.starts[-1] + flat.shard_size)
+        self.size = self.starts[-1]
+
+    def pack(self, tensors: dict) -> list:
+        """Full tensors by name -> one padded flat vector per buffer."""
+        return [flat.pack([tensors[n] for n in group]) for group, flat in zip(self.names, self.flats)]
+
+    def own(self, tensors: dict):
+        """Full tensors by name -> this worker's slice vector."""
+        from mindspore import ops
+
+        i = self.dp.index
+        return ops.cat([full[i * f.shard_size:(i + 1) * f.shard_size] for full, f in zip(self.pack(tensors), self.flats)])
+
+    def gather(self, mine, b: int, name: str):
+        """Buffer b's full padded flat vector, all-gathered from every worker's slice (`mine`: a slice vector)."""
+        return self.dp.all_gather(mine[self.starts[b]:self.starts[b + 1]], 0, name)
+
+    def unpack(self, b: int, flat) -> dict:
+        return dict(zip(self.names[b], self.flats[b].unpack(flat)))
+
+    def scatter(self, flats: list, name: str):
+        """One padded flat vector per buffer (this worker's gradients) -> this worker's slice vector of their sum
+        over dp: a reduce-scatter per buffer."""
+        from mindspore import ops
+
+        return ops.cat([self.dp.reduce_scatter(f, 0, name) for f in flats])
