@@ -76,10 +76,12 @@ def test_presets_point_at_shipped_configs():
 
 
 def test_mindformers_recipe_fits_as_its_comments_say():
-    text = (CONFIGS / "llama2_7b_mindformers.yaml").read_text()
-    row = pretrain.recipe_row("mf", "configs/llama2_7b_mindformers.yaml")
-    assert row["fits"] and f"= {row['total GiB']:.1f} GiB" in text
-    assert f"{row['tokens/s/device']:,} tokens/s per device" in text
+    text = " ".join((CONFIGS / "llama2_7b_mindformers.yaml").read_text().replace("#", " ").split())
+    mf, bf16, o2, o2_level2 = pretrain.compare_recipes()[:4]
+    assert mf["fits"] and bf16["fits"] and o2_level2["fits"] and not o2["fits"]
+    assert f"= {mf['total GiB']:.1f} GiB" in text and f"needs {o2['total GiB']:.1f} GiB" in text
+    assert f"({o2_level2['total GiB']:.1f} GiB)" in text and bf16["total GiB"] == mf["total GiB"]
+    assert f"{mf['tokens/s/device']:,} tokens/s per device" in text
     cfg = load_run_config("configs/llama2_7b_mindformers.yaml")
     assert cfg.train.steps == round(100e9 / (64 * 4096)) and cfg.train.warmup_steps == int(0.03 * cfg.train.steps)
 
@@ -87,7 +89,7 @@ def test_mindformers_recipe_fits_as_its_comments_say():
 def test_seed_recipe_verdicts_match_its_comments():
     text = (CONFIGS / "llama2_7b_seed.yaml").read_text()
     rows = pretrain.compare_recipes()
-    mf, written, shard_only, shard_all, shipped, written_a100, shipped_a100 = rows
+    written, shard_only, shard_all, shipped, written_a100, shipped_a100 = rows[4:]
     assert not written["fits"] and not written_a100["fits"] and not shard_only["fits"]
     assert shard_all["fits"] and shipped["fits"] and shipped_a100["fits"]
     assert f"model states {written['model states GiB']} GiB alone" in text
@@ -105,6 +107,7 @@ def test_seed_recipe_verdicts_match_its_comments():
     assert (t.beta1, t.beta2, t.amp_level, str(t.recompute)) == (0.9, 0.95, "O2", "last:16")
     assert (cfg.data.num_parallel_workers, cfg.data.prefetch, cfg.parallel.dp) == (16, 64, 8)
     assert t.micro_batch * cfg.parallel.dp * t.accum == 512 and cfg.parallel.optimizer_shard
+    assert cfg.parallel.optimizer_level == "level2"
 
 
 @pytest.mark.parametrize("tp, value, want", [
@@ -131,8 +134,11 @@ def test_coerce_names_the_field_when_it_refuses(tp, value, says):
 
 
 def test_amp_levels_are_one_table():
-    """The planner's precision per AMP level is derived from labkit.config.AMP_LEVELS, which lists every level
-    TrainConfig.amp_level accepts."""
+    """labkit.config.AMP_LEVELS lists every level TrainConfig.amp_level accepts, the notebook's widget offers, and
+    the state census counted (the planner refuses a level without a census)."""
+    from labkit.course.widgets import CHOICES
+    from labkit.parallel import census
+
     assert set(typing.get_args(typing.get_type_hints(TrainConfig)["amp_level"])) == set(AMP_LEVELS)
-    assert pretrain.AMP_PRECISION == {"O0": ("fp32", False), "O1": ("fp32", False), "O2": ("fp16", True),
-                                      "O3": ("fp16", False)}
+    assert CHOICES["amp_level"][1:] == list(AMP_LEVELS)
+    assert {c["amp_level"] for c in census.load_states()["cases"].values()} == set(AMP_LEVELS)

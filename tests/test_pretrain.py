@@ -341,3 +341,24 @@ def test_notebook_stops_in_the_validation_cell(tmp_path):
     assert "pretrain.resolve(globals())" in "".join(code[failed[0]]["source"])  # the first cell after parameters
     assert "injected-parameters" in code[failed[0] - 1]["metadata"]["tags"]
     assert all(c["execution_count"] is None for c in code[failed[0] + 1:])  # nothing after it ran
+
+
+@pytest.mark.parametrize("params", [{"preset": "llama2_7b"}, {"preset": "llama2_7b_seed"},
+                                    {"preset": "llama2_7b", "amp_level": "O2", "optimizer_level": "level3"},
+                                    {"preset": "llama2_7b", "amp_level": "bf16", "recompute": "all"}])
+def test_the_yaml_read_back_gives_the_plans_figure(tmp_path, params):
+    """One plan, one number: the mindformers YAML notebook 07 writes, read back by the keys mindformers reads,
+    gives the planner the same memory per card, and the plan fits under the max_device_memory it sets."""
+    from labkit.parallel.memory import Numerics, memory_breakdown
+    from labkit.parallel.mindformers_yaml import read_run_yaml
+    from labkit.parallel.planner import FIT_MARGIN_GIB
+
+    run = pretrain.resolve({**params, "output_dir": str(tmp_path / "run")})
+    path = pretrain.write_configs(run)["mindformers.yaml"]
+    back = read_run_yaml(path)
+    assert back["amp_level"] == run.cfg.train.amp_level and back["layout"] == run.strategy.layout
+    mem = memory_breakdown(back["model"], back["layout"], seq_len=back["seq_len"],
+                           numerics=Numerics(back["amp_level"], flash_attention=back["flash_attention"]),
+                           overhead_gib=run.device.overhead_gib)
+    assert mem["total"] == pytest.approx(run.strategy.memory_gib["total"], abs=0.001)
+    assert mem["total"] - mem["overhead"] + FIT_MARGIN_GIB <= back["max_device_memory_gib"]

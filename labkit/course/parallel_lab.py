@@ -24,7 +24,7 @@ from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch.workers import run_workers
 from labkit.model import scratch
-from labkit.layout import Layout
+from labkit.layout import Layout, OptimizerParallel
 from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
 from labkit.paths import ROOT, RUNS
 from labkit.training import layouts
@@ -236,13 +236,17 @@ def compare(root: Path | None = None) -> dict:
 def planner_lines(lay: dict, stage: str | None = None) -> dict:
     """The planner's bytes per worker (float32 weights, gradients and AdamW moments, memory.model_states with the
     O0 census) for a layout, per stage. ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
-    planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting."""
+    planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting. The optimizer-parallel layouts
+    (opt_level) are MindSpore's levels: the planner's sharded lines, with the gathered weights."""
     cfg = layouts.model_cfg()
     st = stage_weights(cfg, lay["pp"])[stage or ("only" if lay["pp"] == 1 else "first")]
-    layout = Layout(dp=lay["dp"], mp=lay["tp"], pp=lay["pp"], accum=lay["micro"])
+    level = lay.get("opt_level", 0)
+    layout = Layout(dp=lay["dp"], mp=lay["tp"], pp=lay["pp"], accum=lay["micro"], optimizer_shard=bool(level),
+                    optimizer=OptimizerParallel(level=f"level{level or 1}"))
     s = model_states(cfg, layout, CPU, st)
-    return {"params": s["weights"], "grads": s["gradients"],
-            "optimizer": s["optimizer"] / (lay["dp"] if lay["zero"] else 1)}
+    out = {"params": s["weights"], "grads": s["gradients"],
+           "optimizer": s["optimizer"] / (lay["dp"] if lay["zero"] else 1)}
+    return {**out, "gathered": s["copies"]} if level else out
 
 
 # Where the lab's hand-written layouts hold something else than the planner counts, and why (bytes per worker).
@@ -268,22 +272,37 @@ def explained(lay: dict, stage: str) -> dict:
     if lay["zero"]:
         # ZeRO's flat buffer is padded to a multiple of dp elements: at most dp - 1 elements of 8 bytes more
         out.setdefault("optimizer", 0.0)
+    level = lay.get("opt_level", 0)
+    if level:
+        # mindformers creates the embedding and the RMSNorm weights with parallel_optimizer=False (the census), so
+        # MindSpore keeps them whole; the lab's units shard them like every other weight, and gather them too
+        shapes = scratch.shapes(cfg)
+        whole = 4 * sum(int(np.prod(v)) for n, v in shapes.items() if "embedding" in n or len(v) == 1)
+        half = whole * (1 - 1 / lay["dp"])
+        out.update({"params": -half, "optimizer": -2 * half})
+        if level > 1:
+            out["grads"] = -half  # the accumulation buffer is sharded from level2 on
+        if level < 3:
+            out["gathered"] = whole
+        else:
+            # the planner keeps one layer's gathered matrices beside the head's; the lab's regather holds one unit
+            # at a time, the largest being the final norm with the head
+            layer = 4 * sum(int(np.prod(v)) for n, v in shapes.items()
+                            if n.startswith("model.layers.0.") and len(v) == 2)
+            out["gathered"] = 4 * cfg.hidden_size - layer
     return out
 
 
 def against_planner(result: dict) -> list[dict]:
-    """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left.
-    The optimizer-parallel layouts (opt_level, weights sharded too) are not put beside the planner yet: their bytes
-    are in each worker's "held"."""
+    """One row per layout, worker and term: measured bytes, the planner's, the explained difference, what is left
+    (the optimizer-parallel layouts add the gathered weights at their peak)."""
     rows = []
     for name, row in result["layouts"].items():
         lay = row["layout"]
-        if lay.get("opt_level"):
-            continue
         for w in row["per_worker"]:
             stage = "only" if lay["pp"] == 1 else ("first", "last")[w["place"][1]]
             plan, why = planner_lines(lay, stage), explained(lay, stage)
-            for term in ("params", "grads", "optimizer"):
+            for term in plan:
                 measured = w["held"][term]
                 rows.append({"layout": name, "rank": w["rank"], "term": term, "measured": measured,
                              "planner": plan[term], "explained": why.get(term, 0.0),

@@ -3,13 +3,14 @@ reads: the parallel part alone (parallel, parallel_config, recompute_config) or 
 written with yaml.safe_dump."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
 
 from labkit.config import AMP_LEVELS, ModelConfig, RunConfig, loss_scaled
 from labkit.errors import LabkitError
-from labkit.layout import Layout
+from labkit.layout import Layout, OptimizerParallel, Recompute
 from labkit.model.llama import Backend, llama_config_kwargs
 
 
@@ -187,11 +188,6 @@ def read_run_yaml(path) -> dict:
     `parallel_optimizer_config`, `recompute_config`), the amp level whose dtypes the model_config carries, the
     sequence length, flash attention and the memory pool (`context.max_device_memory`, GiB, None if unset).
     Returns {model, layout, amp_level, seq_len, flash_attention, max_device_memory_gib}."""
-    import dataclasses
-
-    from labkit.config import ModelConfig
-    from labkit.layout import OptimizerParallel, Recompute
-
     doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     try:
         mc, par, pc = doc["model"]["model_config"], doc["parallel"], doc["parallel_config"]
