@@ -420,7 +420,7 @@ def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit
 
 def model_from_config_file(path) -> tuple[ModelConfig, dict]:
     """The model of a labkit run config (its `model:` section: `preset: NAME` plus overrides, or ModelConfig
-    fields) and the few other values the planner can use (data.seq_len)."""
+    fields) and the few other values the planner can use (data.seq_len, train.amp_level, parallel.optimizer_level)."""
     data = read_yaml(path)
     section = data.get("model")
     if not isinstance(section, dict):
@@ -433,6 +433,11 @@ def model_from_config_file(path) -> tuple[ModelConfig, dict]:
     seq = (data.get("data") or {}).get("seq_len") if isinstance(data.get("data"), dict) else None
     if seq:
         extra["seq_len"] = int(seq)
+    train, par = data.get("train"), data.get("parallel")
+    if isinstance(train, dict) and train.get("amp_level") in AMP_LEVELS:
+        extra["amp_level"] = train["amp_level"]
+    if isinstance(par, dict) and par.get("optimizer_level"):
+        extra["optimizer_level"] = par["optimizer_level"]
     return cfg, extra
 
 
@@ -449,10 +454,11 @@ def add_cli(parser) -> None:
     parser.add_argument("--global-batch", type=int, default=None,
                         help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
     parser.add_argument("--amp-level", default=None, choices=list(AMP_LEVELS),
-                        help="mixed precision, the dtypes of labkit.config.AMP_LEVELS (default fp16, mindformers' "
-                             "recipe; O0 with --device cpu)")
-    parser.add_argument("--optimizer-level", default="level1", choices=["level1", "level2", "level3"],
-                        help="MindSpore's parallel_optimizer_config.optimizer_level for strategies that shard")
+                        help="mixed precision, the dtypes of labkit.config.AMP_LEVELS (default: the config's, else "
+                             "fp16, mindformers' recipe; O0 with --device cpu)")
+    parser.add_argument("--optimizer-level", default=None, choices=["level1", "level2", "level3"],
+                        help="MindSpore's parallel_optimizer_config.optimizer_level for strategies that shard "
+                             "(default level1, or the config's)")
     parser.add_argument("--nodes", type=int, default=None, help="servers (default: from the preset's devices per node)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the preset's peak (TFLOP/s)")
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
@@ -468,13 +474,13 @@ def _cli(args) -> int:
     else:
         cfg, extra = model_from_config_file(args.config)
     seq = args.seq_len or extra.get("seq_len") or 4096
-    amp = args.amp_level or ("O0" if args.device == "cpu" else "fp16")
+    amp = args.amp_level or extra.get("amp_level") or ("O0" if args.device == "cpu" else "fp16")
     machine = Machine(args.devices, args.device_memory, device=args.device, nodes=args.nodes,
                       peak_tflops=args.peak_tflops, efficiency=args.efficiency)
     result = plan(cfg, machine, seq_len=seq, global_batch=args.global_batch,
                   numerics=Numerics(amp_level=amp,
                                     flash_attention=not args.no_flash_attention and args.device != "cpu"),
-                  optimizer=OptimizerParallel(level=args.optimizer_level))
+                  optimizer=OptimizerParallel(level=args.optimizer_level or extra.get("optimizer_level", "level1")))
     best = result["best"]
     if best:
         result["mindformers_yaml"] = mindformers_parallel_yaml(best.layout)
