@@ -185,7 +185,7 @@ def load(root: Path, name: str) -> list[dict]:
     if not found:
         raise LabkitError(f"no results of layout '{name}' under {root}", "run parallel_runs() first")
     rows = [json.loads(p.read_text()) for p in found]
-    for row, p in zip(rows, found):
+    for row, p in zip(rows, found, strict=True):
         with np.load(p.parent / f"weights_rank{row['rank']}.npz") as z:
             row["weights"] = dict(z)
     return rows
@@ -205,7 +205,7 @@ def gathered(rows: list[dict]) -> dict:
 
 def tolerances(root: Path) -> dict:
     f32, f64 = load(root, "single_float32")[0], load(root, "single_float64")[0]
-    d_loss = max(abs(a - b) for a, b in zip(f32["losses"], f64["losses"]))
+    d_loss = max(abs(a - b) for a, b in zip(f32["losses"], f64["losses"], strict=True))
     d_w = max(float(np.abs(f32["weights"][k] - f64["weights"][k]).max()) for k in f32["weights"])
     ulp = float(np.spacing(np.float32(max(f32["losses"]))))
     return {"float32_vs_float64_loss": d_loss, "float32_vs_float64_weight": d_w,
@@ -224,7 +224,7 @@ def compare(root: Path | None = None) -> dict:
             rows = load(root, lay.name)
             full = gathered(rows)
             last = rows[-1]  # the last stage's (or any worker's) losses: every worker reports the global loss
-            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
+            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"], strict=True))
             weight_diff = max(float(np.abs(full[k] - ref["weights"][k]).max()) for k in ref["weights"])
             out[lay.name] = {
                 "workers": workers, "layout": asdict(lay), "loss_diff": loss_diff, "weight_diff": weight_diff,
