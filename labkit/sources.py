@@ -103,7 +103,8 @@ def dependencies(*entries: str | Path) -> list[Path]:
 
 
 def _files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    """A data file, or a folder's files; never Python's bytecode caches (their headers hold the sources' mtimes)."""
+    return [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts] if path.is_dir() else [path]
 
 
 def source_key(*entries: str | Path, data: Iterable[str | Path] = (), also: Iterable[str] = ()) -> str:

@@ -81,6 +81,16 @@ def test_imports_inside_functions_and_packages_count(tmp_path, monkeypatch):
     assert sources.source_key("labkit.lazy") != before
 
 
+def test_a_data_folder_counts_its_files_not_bytecode(tmp_path, monkeypatch):
+    root = _copy(tmp_path, monkeypatch)
+    before = sources.source_key(data=["labkit/model/kernels"])
+    (root / "labkit/model/kernels/__pycache__").mkdir(exist_ok=True)
+    (root / "labkit/model/kernels/__pycache__/build.cpython-311.pyc").write_bytes(b"any mtime")
+    assert sources.source_key(data=["labkit/model/kernels"]) == before
+    (root / "labkit/model/kernels/rmsnorm.cc").write_text("// another kernel\n")
+    assert sources.source_key(data=["labkit/model/kernels"]) != before
+
+
 def test_a_name_that_is_no_module_is_refused():
     with pytest.raises(ValueError, match="not a module"):
         sources.dependencies("labkit.nowhere")
