@@ -3,7 +3,7 @@
 Layers, bottom to top; a module imports only from its own layer or below, and the packages that share a layer
 (weights, data, parallel) do not import each other:
 
-    base       errors paths io output logs runtime
+    base       errors paths io output logs runtime sources
     layout     layout
     config     config
     model      model/
@@ -17,14 +17,18 @@ Layers, bottom to top; a module imports only from its own layer or below, and th
 Also: only entry points import the CLI; no private name (`_x`) is taken from another module; no import cycle;
 the trainer does not use the planner; the data layer neither builds nor trains a model; a module imports the
 package's own modules at its top, where a reader sees its dependencies (inside a function only with a comment on the
-line saying why; MindSpore, mindformers and torch stay lazy for start-up time)."""
+line saying why; MindSpore, mindformers and torch stay lazy for start-up time).
+
+The imports are read by `labkit.sources.package_imports`, the reader the caches' source keys use too."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from labkit.sources import modules, package_imports
+
 LAYERS = [
-    ("base", ["errors", "paths", "io", "output", "logs", "runtime"]),
+    ("base", ["errors", "paths", "io", "output", "logs", "runtime", "sources"]),
     ("layout", ["layout"]),
     ("config", ["config"]),
     ("model", ["model"]),
@@ -42,14 +46,6 @@ FORBIDDEN = [  # (importer prefix, imported prefix, why)
 ]
 
 
-def modules(pkg: Path) -> dict[str, Path]:
-    out = {}
-    for f in pkg.rglob("*.py"):
-        name = ".".join(f.relative_to(pkg).with_suffix("").parts)
-        out[name.removesuffix(".__init__") if name != "__init__" else ""] = f
-    return out
-
-
 def place(mod: str) -> tuple[int, str]:
     """(layer index, package within the layer) of a module name relative to the package."""
     best = None
@@ -63,33 +59,6 @@ def place(mod: str) -> tuple[int, str]:
     return best
 
 
-def imports(f: Path, mod: str, known: set[str], pkg_name: str) -> list[tuple[str, str | None, int]]:
-    """(imported module, imported name or None, line) for every import of the package, also inside functions."""
-    tree = ast.parse(f.read_text(encoding="utf-8"))
-    here = mod.split(".") if f.name != "__init__.py" else mod.split(".") + ["_"]
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[: len(here) - node.level]
-                target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module == pkg_name or (node.module or "").startswith(pkg_name + "."):
-                target = node.module[len(pkg_name) + 1:]
-            else:
-                continue
-            for a in node.names:
-                full = f"{target}.{a.name}".strip(".")
-                if full in known:
-                    out.append((full, None, node.lineno))
-                else:
-                    out.append((target, a.name, node.lineno))
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith(pkg_name + "."):
-                    out.append((a.name[len(pkg_name) + 1:], None, node.lineno))
-    return out
-
-
 def violations(pkg: Path) -> list[str]:
     """Every broken rule in the package at `pkg`, one line each (empty when the layering holds)."""
     mods = modules(pkg)
@@ -100,7 +69,8 @@ def violations(pkg: Path) -> list[str]:
         if not mod:
             continue
         li, lp = place(mod)
-        for target, name, line in imports(f, mod, known, pkg.name):
+        text = f.read_text(encoding="utf-8")
+        for target, name, line in package_imports(text, mod, f.name == "__init__.py", known, pkg.name):
             where = f"{f.relative_to(pkg.parent)}:{line}"
             if target and target != mod:
                 graph[mod].add(target)

@@ -1,39 +1,32 @@
-"""Notebook 06c's calibration cache: reused only while newer than the bench and every module it checks; the modules
-it names exist (a package reorganisation would otherwise leave it checking nothing); the plot and the bench's table
-read a result of the bench's shape."""
-import os
-
+"""Notebook 06c's calibration cache: reused only while its key (labkit.sources) is today's, that is while the bench
+and every labkit module it imports are unchanged; the plot and the bench's table read a result of the bench's
+shape."""
 import pytest
 
+from labkit import sources
 from labkit.course import calibration as cal
 from labkit.errors import LabkitError
 
 
-def _touch(path, mtime):
-    path.write_text("x")
-    os.utime(path, (mtime, mtime))
-    return path
+def test_the_key_covers_the_modules_the_bench_imports_and_the_planners_data():
+    deps = {p.relative_to(sources.ROOT).as_posix() for p in sources.dependencies(cal.BENCH)}
+    # imported by the bench inside its functions, and by those modules in turn
+    assert {"bench/plan_calibration.py", "labkit/parallel/memory.py", "labkit/parallel/planner.py",
+            "labkit/model/llama.py", "labkit/config.py", "labkit/training/metrics.py"} <= deps
+    assert "labkit/course/calibration.py" not in deps  # what reads the result is not what made it
+    assert all((sources.ROOT / d).exists() for d in cal.DATA)
 
 
-def test_every_source_exists_and_the_bench_is_among_them():
-    paths = cal.sources()
-    assert cal.BENCH in paths and len(paths) == 1 + len(cal.DEPENDS_ON)
-
-
-def test_a_missing_source_is_named(monkeypatch):
-    monkeypatch.setattr(cal, "DEPENDS_ON", ("labkit/plan.py",))  # the path before the package was reorganised
-    with pytest.raises(LabkitError, match="labkit/plan.py"):
-        cal.sources()
-
-
-def test_fresh_only_when_newer_than_every_source(tmp_path):
-    deps = [_touch(tmp_path / "a.py", 1000), _touch(tmp_path / "b.py", 2000)]
+def test_fresh_only_while_the_stored_key_is_todays(tmp_path, monkeypatch):
     cache = tmp_path / "plan_calibration.json"
-    assert not cal.is_fresh(cache, deps), "no cache: not fresh"
-    _touch(cache, 1500)
-    assert not cal.is_fresh(cache, deps), "older than b.py: stale"
-    os.utime(cache, (2500, 2500))
-    assert cal.is_fresh(cache, deps)
+    monkeypatch.setattr(cal, "key", lambda: "today")
+    assert not cal.is_fresh(cache), "no cache: not fresh"
+    cache.write_text("{}")
+    assert not cal.is_fresh(cache), "a result without a key (the bench run by hand): not fresh"
+    sources.stamp(cal.key_file(cache), "yesterday")
+    assert not cal.is_fresh(cache), "made from other sources: stale"
+    sources.stamp(cal.key_file(cache), "today")
+    assert cal.is_fresh(cache)
 
 
 def test_modes(tmp_path):

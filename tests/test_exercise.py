@@ -1,5 +1,8 @@
 """Strict exercises prove each check can fail: it rejects the emptied solution and the tool's own answer."""
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -97,3 +100,32 @@ def test_in_a_shell_the_cell_run_before_the_check_is_the_solution(monkeypatch):
         assert shell.user_ns["y"] == 1
     finally:
         InteractiveShell.clear_instance()
+
+
+def test_importing_nb_registers_nothing_and_setup_registers_the_watcher_once(tmp_path):
+    """In a fresh process with a shell, strict mode on: the import adds no IPython hook; `setup` adds the cell
+    watcher, and a second `setup` (a re-run first cell) does not add it again."""
+    script = textwrap.dedent(f"""
+        import os
+        from IPython.core.interactiveshell import InteractiveShell
+        os.environ["{nb_module.STRICT_EXERCISES_ENV}"] = "1"
+        hooks = InteractiveShell.instance().events.callbacks["pre_run_cell"]
+        before = list(hooks)
+        from labkit.course import nb
+        assert hooks == before, hooks
+        nb.setup("t", output_dir={str(tmp_path)!r})
+        nb.setup("t", output_dir={str(tmp_path)!r})
+        assert hooks == [*before, nb._remember], hooks
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_every_notebook_sets_up_before_its_first_exercise():
+    """The strict proofs' cell watcher starts in `nb.setup`: a notebook with exercises calls it first."""
+    for path in course_notebooks():
+        code = ["".join(c["source"]) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
+                if c["cell_type"] == "code"]
+        first = next((i for i, c in enumerate(code) if "nb.exercise(" in c), None)
+        if first is not None:
+            assert any("nb.setup(" in c for c in code[:first]), f"{path.name}: no nb.setup before the first exercise"

@@ -75,7 +75,7 @@ def test_a_sharded_step_is_one_cards_adamw_step(single, name, kind, fields):
         return rows, w.weights(), w.bytes_held()
 
     for rows, weights, _ in Threads(DP).run(worker):
-        for got, ref in zip(rows, want):
+        for got, ref in zip(rows, want, strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         assert sorted(weights) == sorted(want_weights)

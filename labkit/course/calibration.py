@@ -1,5 +1,6 @@
 """Notebook 06c's calibration of the planner: bench/plan_calibration.py's result (about 2 minutes to measure), reused
-while it is newer than the bench and every module whose predictions it checks.
+while the bench and every labkit module it imports are what they were when it was measured (labkit.sources: the key
+is stored beside the result, in plan_calibration.json.key).
 
     result, note = calibration("auto")   # cached when fresh, else measured now
     print(bench_module().table(result))
@@ -15,29 +16,29 @@ from pathlib import Path
 
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.paths import ROOT, RUNS
+from labkit.sources import source_key, stamp, stamped
 
 BENCH = ROOT / "bench" / "plan_calibration.py"
 CACHE = RUNS / "bench" / "plan_calibration.json"  # what `bench/plan_calibration.py --ci` writes
 MODES = ("auto", "run", "cached", "skip")
-# the modules whose figures the calibration measures: the planner's memory and time models, and the model they count
-DEPENDS_ON = ("labkit/parallel/memory.py", "labkit/parallel/planner.py", "labkit/parallel/devices.py",
-              "labkit/model/shapes.py", "labkit/model/llama.py", "labkit/config.py")
+# data the bench's modules read: MindSpore's training-state census (the planner's bytes per element) and the C++
+# sources of the fused CPU kernels the model may build
+DATA = ("labkit/parallel/state_census.json", "labkit/model/kernels")
 
 
-def sources() -> list[Path]:
-    """The bench script and the modules it checks (each must exist: a moved module would otherwise go unnoticed)."""
-    paths = [BENCH, *(ROOT / p for p in DEPENDS_ON)]
-    missing = [str(p.relative_to(ROOT)) for p in paths if not p.exists()]
-    if missing:
-        raise LabkitError(f"the calibration depends on files that do not exist: {', '.join(missing)}",
-                          "update labkit/course/calibration.py's DEPENDS_ON to the modules' new paths")
-    return paths
+def key() -> str:
+    """The key (labkit.sources) of today's calibration: the bench, every labkit module it imports, and DATA."""
+    return source_key(BENCH, data=DATA)
 
 
-def is_fresh(cache: Path = CACHE, deps: list[Path] | None = None) -> bool:
-    """True when `cache` exists and is newer than every file in `deps` (default: `sources()`)."""
-    deps = sources() if deps is None else deps
-    return cache.exists() and cache.stat().st_mtime > max(p.stat().st_mtime for p in deps)
+def key_file(cache: Path) -> Path:
+    """Where the key of the result in `cache` is kept: beside it."""
+    return cache.with_name(cache.name + ".key")
+
+
+def is_fresh(cache: Path = CACHE) -> bool:
+    """True when `cache` exists and was measured from today's sources (its key file holds `key()`)."""
+    return cache.exists() and stamped(key_file(cache), key())
 
 
 def bench_module():
@@ -48,17 +49,21 @@ def bench_module():
     return module
 
 
-def measure(cwd: Path | None = None, timeout: float = 1200) -> dict:
-    """Run `bench/plan_calibration.py --ci --json` now (about 2 minutes on 2 cores); it also refreshes CACHE."""
-    proc = subprocess.run([sys.executable, str(BENCH), "--ci", "--json"], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT)
+def measure(cwd: Path | None = None, timeout: float = 1200, cache: Path = CACHE) -> dict:
+    """Run `bench/plan_calibration.py --ci --json` now (about 2 minutes on 2 cores); it also writes `cache`, and
+    the key of the sources it ran beside it (a result the bench wrote when run by hand has none: it is not reused)."""
+    sources_key = key()  # the bench imports its modules as it starts: the sources it runs are today's
+    proc = subprocess.run([sys.executable, str(BENCH), "--ci", "--json", "--out", str(cache)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd or ROOT)
     try:
         result = json.loads(proc.stdout)
     except json.JSONDecodeError:
         result = {"ok": False, "error": f"no JSON on stdout (exit {proc.returncode})"}
     if not result.get("ok"):
         raise LabkitFailure(f"the calibration failed: {result.get('error')}",
-                            f"run `python {BENCH.relative_to(ROOT)} --ci` to see it; last lines:\n{proc.stderr[-1500:]}")
+                            f"run `python {BENCH.relative_to(ROOT)} --ci` to see it; last lines:\n"
+                            f"{proc.stderr[-1500:]}")
+    stamp(key_file(cache), sources_key)
     return result
 
 
@@ -66,18 +71,20 @@ def calibration(mode: str = "auto", *, cache: Path = CACHE, cwd: Path | None = N
     """The calibration result and a line saying where it came from.
 
     auto: the cache when it is fresh (`is_fresh`), else measured now; run: always measured; cached: the cache
-    whatever its age (None without one); skip: None."""
+    whatever sources it came from (None without one); skip: None."""
     if mode not in MODES:
         raise LabkitError(f"calibration mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
     if mode == "skip":
         return None, "calibration skipped (calibration = \"skip\"): nothing measured, nothing compared"
     if mode == "run" or (mode == "auto" and not is_fresh(cache)):
         t0 = time.time()
-        return measure(cwd), f"measured now ({time.time() - t0:.0f} s; the cache was missing or older than its sources)"
+        return measure(cwd, cache=cache), (f"measured now ({time.time() - t0:.0f} s; the cache was missing or made "
+                                           "from other sources)")
     if not cache.exists():
         return None, f"no cached calibration at {cache}"
-    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(cache.stat().st_mtime))
-    return json.loads(cache.read_text(encoding="utf-8")), f"cached {cache.name} ({stamp}, newer than its sources)"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cache.stat().st_mtime))
+    state = "its sources unchanged since" if is_fresh(cache) else "made from other sources than today's"
+    return json.loads(cache.read_text(encoding="utf-8")), f"cached {cache.name} ({when}, {state})"
 
 
 def plot_calibration(result: dict, ax=None):

@@ -16,8 +16,11 @@ def setup(name: str, output_dir: str | os.PathLike | None = None, device_target:
     """Prepare the kernel's process for `device_target` (labkit.runtime: quiet logs, MindSpore's launch mode; call
     it before importing MindSpore), make and return the run folder.
 
-    `output_dir=None` gives runs/notebooks/<name> under the lab root, whatever the working directory."""
+    `output_dir=None` gives runs/notebooks/<name> under the lab root, whatever the working directory. In strict
+    exercise mode inside a kernel it also starts watching the cells (`_watch_cells`), which the exercise checks'
+    proofs read: here, not at import, so importing this module changes nothing."""
     prepare_process(device_target)
+    _watch_cells()
     run_dir = Path(output_dir) if output_dir else RUNS / "notebooks" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
@@ -110,9 +113,17 @@ def exercise(key: str, verify: Callable[[], bool], hint: str,
 _CELLS: list[str] = []  # the last two cells the kernel started, in strict mode: [solution, check] at a check
 
 
+def _remember(info) -> None:
+    """IPython's pre_run_cell hook: keep the source of the cell starting now and of the one before it."""
+    from IPython import get_ipython
+
+    _CELLS[:] = [*_CELLS[-1:], get_ipython().transform_cell(info.raw_cell)]
+
+
 def _watch_cells() -> None:
     """In strict mode inside a kernel, remember each cell's source as it starts (nbval runs cells without input
-    history, so `In` cannot be relied on)."""
+    history, so `In` cannot be relied on). Registered once per shell, however often `setup` runs (a re-run first
+    cell would otherwise record every cell twice, and the "cell before the check" would be the check itself)."""
     if os.environ.get(STRICT_EXERCISES_ENV) != "1":
         return
     try:
@@ -120,13 +131,9 @@ def _watch_cells() -> None:
     except ImportError:
         return
     shell = get_ipython()
-    if shell is None:
+    if shell is None or _remember in shell.events.callbacks["pre_run_cell"]:
         return
-
-    def remember(info):
-        _CELLS[:] = [*_CELLS[-1:], shell.transform_cell(info.raw_cell)]
-
-    shell.events.register("pre_run_cell", remember)
+    shell.events.register("pre_run_cell", _remember)
 
 
 def _solution_source() -> str | None:
@@ -142,9 +149,6 @@ def _solution_source() -> str | None:
     if len(_CELLS) < 2:
         raise AssertionError("strict exercises: no solution cell ran before this check cell")
     return _CELLS[-2]
-
-
-_watch_cells()
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,

@@ -1,7 +1,7 @@
 """The parallel layouts' runs (labkit.training.layouts), launched once per worker count and shared by the notebook
 and the tests, and their comparison with the single-card reference.
 
-    runs = parallel_runs()            # cached under runs/parallel_lab while newer than the code that made them
+    runs = parallel_runs()            # cached under runs/parallel_lab while the code that made them is unchanged
     table = compare(runs)             # per layout: loss and weight differences against their tolerance
 
 The tolerance comes from float32 rounding, measured in the same launch: the reference runs in float32 and in
@@ -22,24 +22,26 @@ import numpy as np
 
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
-from labkit.launch.workers import run_workers
+from labkit.launch import workers as launch_workers
 from labkit.model import scratch
 from labkit.layout import Layout, OptimizerParallel
 from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
-from labkit.paths import ROOT, RUNS
+from labkit.paths import RUNS
+from labkit.sources import source_key, stamp, stamped
 from labkit.training import layouts
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
 
 CACHE = RUNS / "parallel_lab"
 CPU = Numerics(amp_level="O0", flash_attention=False, fused_norm=False, fused_silu=False)  # how the layouts compute
-SOURCES = ("labkit/model/scratch.py", "labkit/parallel/collectives.py", "labkit/training/sharded.py",
-           "labkit/training/pipeline.py", "labkit/training/layouts.py", "labkit/data/loader.py")
 MODES = ("auto", "run", "cached")
+DATA = ("data/corpus", "data/tokenizer")  # what ensure_dataset tokenises for the workers by default
 
 
-def _fresh(folder: Path) -> bool:
-    done = folder / "DONE"
-    return done.exists() and done.stat().st_mtime > max((ROOT / p).stat().st_mtime for p in SOURCES)
+def launch_key(task: list[str], workers: int, env: dict | None = None) -> str:
+    """The key (labkit.sources) of one launch's results: the worker module and the launcher with every labkit
+    module they import, the shipped corpus and tokenizer, and the launch's own arguments and environment."""
+    return source_key(layouts.__name__, launch_workers.__name__, data=DATA,
+                      also=[json.dumps([task, workers, env or {}], sort_keys=True)])
 
 
 def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) -> Path:
@@ -59,23 +61,26 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
 def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: list[str], *, what: str,
             timeout: float, env: dict | None = None) -> None:
     """One msrun launch of `python -m labkit.training.layouts TASK[0] folder TASK[1:]`, unless fresh results are
-    there; done when every layout of `expected` has a result from each worker."""
-    if mode == "auto" and _fresh(folder) or mode == "cached":
-        if not _fresh(folder):
-            raise LabkitError(f"no fresh results of {what} in {folder}",
+    there (folder/DONE holds today's `launch_key`); done when every layout of `expected` has a result from each
+    worker."""
+    key, done = launch_key(task, workers, env), folder / "DONE"
+    if mode == "auto" and stamped(done, key) or mode == "cached":
+        if not stamped(done, key):
+            raise LabkitError(f"no fresh results of {what} in {folder} (none, or made from other sources)",
                               "run it with mode 'run' (about a minute per launch)")
         return
     # a notebook and a test may ask at once: one launches while the other waits, then reads its results
     with open(folder.parent / f".lock-{folder.name}", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
-        if mode == "auto" and _fresh(folder):
+        if mode == "auto" and stamped(done, key):
             return
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        run_workers(["python", "-m", layouts.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
-                    timeout=timeout, env=env,
-                    expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
-        (folder / "DONE").write_text("")
+        launch_workers.run_workers(
+            ["python", "-m", layouts.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
+            timeout=timeout, env=env,
+            expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
+        stamp(done, key)
 
 
 def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) -> Path:
@@ -180,7 +185,7 @@ def load(root: Path, name: str) -> list[dict]:
     if not found:
         raise LabkitError(f"no results of layout '{name}' under {root}", "run parallel_runs() first")
     rows = [json.loads(p.read_text()) for p in found]
-    for row, p in zip(rows, found):
+    for row, p in zip(rows, found, strict=True):
         with np.load(p.parent / f"weights_rank{row['rank']}.npz") as z:
             row["weights"] = dict(z)
     return rows
@@ -200,7 +205,7 @@ def gathered(rows: list[dict]) -> dict:
 
 def tolerances(root: Path) -> dict:
     f32, f64 = load(root, "single_float32")[0], load(root, "single_float64")[0]
-    d_loss = max(abs(a - b) for a, b in zip(f32["losses"], f64["losses"]))
+    d_loss = max(abs(a - b) for a, b in zip(f32["losses"], f64["losses"], strict=True))
     d_w = max(float(np.abs(f32["weights"][k] - f64["weights"][k]).max()) for k in f32["weights"])
     ulp = float(np.spacing(np.float32(max(f32["losses"]))))
     return {"float32_vs_float64_loss": d_loss, "float32_vs_float64_weight": d_w,
@@ -219,7 +224,7 @@ def compare(root: Path | None = None) -> dict:
             rows = load(root, lay.name)
             full = gathered(rows)
             last = rows[-1]  # the last stage's (or any worker's) losses: every worker reports the global loss
-            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"]))
+            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"], strict=True))
             weight_diff = max(float(np.abs(full[k] - ref["weights"][k]).max()) for k in ref["weights"])
             out[lay.name] = {
                 "workers": workers, "layout": asdict(lay), "loss_diff": loss_diff, "weight_diff": weight_diff,
@@ -390,8 +395,8 @@ EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
 
 def evidence(layout, root: Path = CACHE) -> list[dict]:
     """For each parallel dimension: whether `layout` (a labkit.layout.Layout) uses it, the lab run that trained it
-    on CPU workers and how far that run was from one card (when its results are cached and newer than the code;
-    otherwise where to run it)."""
+    on CPU workers and how far that run was from one card (when its results are cached and the code that
+    made them is unchanged; otherwise where to run it)."""
     try:
         result = compare(parallel_runs("cached", root))
     except LabkitError:

@@ -24,9 +24,11 @@ Bytes are counted per worker with the ring algorithm's volumes (p workers, n byt
 all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer)."""
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from labkit.errors import LabkitError
 from labkit.model.scratch import Hooks
 
 SEQ = 1  # the sequence axis of [batch, seq, hidden]
@@ -154,24 +156,56 @@ def chunk(x, axis: int, parts: int, index: int):
     return x[tuple(sl)]
 
 
-def differentiable(forward, backward):
-    """A differentiable operation from its forward and backward, keeping nothing of the forward for the backward.
+PROTOCOL = ("forward", "backward", "apply", "save_for_backward")  # what `differentiable` uses of _Function
+
+
+@functools.cache
+def function_base():
+    """MindSpore's private `mindspore.common._Function` (2.9: PyTorch's autograd.Function protocol: static
+    forward(ctx, *inputs) and backward(ctx, *grads), `apply`, ctx.save_for_backward / saved_tensors), checked once
+    per process; a LabkitError naming the MindSpore version and what changed when it is gone or differs."""
+    import mindspore
+    import mindspore.common
+
+    base = getattr(mindspore.common, "_Function", None)
+    fix = ("labkit.parallel.collectives.differentiable is built on it: pin mindspore==2.9.* (pyproject.toml), "
+           "or port `differentiable` to what replaced it")
+    if not isinstance(base, type):
+        raise LabkitError(f"MindSpore {mindspore.__version__} has no class mindspore.common._Function", fix)
+    missing = [name for name in PROTOCOL if not callable(getattr(base, name, None))]
+    if missing:
+        raise LabkitError(f"MindSpore {mindspore.__version__}'s mindspore.common._Function lacks "
+                          f"{', '.join(missing)} (2.9's has {', '.join(PROTOCOL)})", fix)
+    return base
+
+
+def differentiable(forward, backward, saves: bool = False):
+    """A differentiable operation from its forward and hand-written backward: the one subclass of MindSpore's
+    `_Function` (`function_base`), made once per pair; returns its `apply`.
+
+    Plain: forward(x) -> y, backward(dy) -> dx, and nothing of the forward is kept for the backward. With `saves`:
+    forward(x, *more) -> (y, tensors to keep), backward(kept, dy) -> dx; `more` (labels, say) gets no gradient.
 
     A `Cell` with a custom `bprop` would do, but MindSpore keeps the cell's input and output alive until its
     backward runs, even when `bprop` reads neither (labkit.course.parallel_lab.backward_retention measures it;
     with such cells the hand-written tp2 and sp2 held 26 and 33 MiB more per worker at seq 256). MindSpore 2.9's
     `_Function` (the PyTorch-style autograd function its own recompute is built on, PyNative only) keeps only what
-    `ctx.save_for_backward` is given: nothing here."""
-    from mindspore.common import _Function
+    `ctx.save_for_backward` is given."""
 
-    class Op(_Function):
+    class Op(function_base()):
         @staticmethod
-        def forward(ctx, x):
-            return forward(x)
+        def forward(ctx, x, *more):
+            ctx.more = len(more)
+            if not saves:
+                return forward(x, *more)
+            y, kept = forward(x, *more)
+            ctx.save_for_backward(*kept)
+            return y
 
         @staticmethod
         def backward(ctx, dout):
-            return backward(dout)
+            dx = backward(ctx.saved_tensors, dout) if saves else backward(dout)
+            return (dx, *[None] * ctx.more) if ctx.more else dx  # one gradient per input; none for `more`
 
     return Op.apply
 
@@ -227,23 +261,7 @@ def ce_backward(saved, dce):
 def vocab_parallel_cross_entropy(group: Group):
     """f(logits [n, V/t], labels [n]) -> per-token cross-entropy [n], differentiable in the logits (Megatron-LM's
     vocab_parallel_cross_entropy): the forward keeps the softmax slice for the backward, nothing else."""
-    from mindspore.common import _Function
-
-    def cross_entropy(logits, labels):
-        class Op(_Function):
-            @staticmethod
-            def forward(ctx, x):
-                out, saved = ce_forward(x, labels, group)
-                ctx.save_for_backward(*saved)
-                return out
-
-            @staticmethod
-            def backward(ctx, dout):
-                return ce_backward(ctx.saved_tensors, dout)
-
-        return Op.apply(logits)
-
-    return cross_entropy
+    return differentiable(lambda logits, labels: ce_forward(logits, labels, group), ce_backward, saves=True)
 
 
 class VocabParallel(Hooks):
