@@ -3,14 +3,19 @@ weights within the float32 rounding measured in the same launch (labkit.course.p
 the share of the model, gradients and optimizer states its layout gives it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from labkit.layout import Layout
 from labkit.course import parallel_lab
+from labkit.errors import LabkitError
 from labkit.model import scratch
+from labkit.parallel.collectives import DIMENSIONS, Op
 from labkit.training import layouts
 from labkit.training.pipeline import programs
+from labkit.training.sharded import Held
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +37,10 @@ def test_the_tolerance_is_float32_rounding_and_finer_than_one_update(result):
 @pytest.mark.parametrize("name", [lay.name for n in sorted(layouts.LAYOUTS) for lay in layouts.LAYOUTS[n]])
 def test_layout_equals_single_card(result, name):
     row, tol = result["layouts"][name], result["tolerance"]
-    assert len(row["per_worker"]) == row["workers"], "a result from every worker"
-    assert row["same_names"]
-    assert row["loss_diff"] <= tol["loss"], (row["loss_diff"], tol)
-    assert row["weight_diff"] <= tol["weight"], (row["weight_diff"], tol)
+    assert len(row.per_worker) == row.workers, "a result from every worker"
+    assert row.same_names
+    assert row.loss_diff <= tol["loss"], (row.loss_diff, tol)
+    assert row.weight_diff <= tol["weight"], (row.weight_diff, tol)
 
 
 def _bytes(names) -> int:
@@ -50,16 +55,16 @@ def test_each_worker_holds_its_share(result):
     split = _bytes(n for n in scratch.shapes(cfg) if scratch.Shard(tp_size=2, vocab_parallel=True).splits(n))
     assert split > _bytes(n for n in scratch.shapes(cfg) if n.endswith(scratch.ROW_SPLIT + scratch.COL_SPLIT))
     lay = result["layouts"]
-    for w in lay["dp2"]["per_worker"]:
-        assert w["held"] == {"params": every, "grads": every, "optimizer": 2 * every}
+    for w in lay["dp2"].per_worker:
+        assert w.held == Held(params=every, grads=every, optimizer=2 * every)
     for name in ("tp2", "sp2", "dp2_tp2"):
-        for w in lay[name]["per_worker"]:
-            assert w["held"]["params"] == every - split // 2  # the split matrices halved, the rest replicated
+        for w in lay[name].per_worker:
+            assert w.held.params == every - split // 2  # the split matrices halved, the rest replicated
     padded = -(-every // 8) * 8  # ZeRO's flat buffer: 4-byte elements, padded to a multiple of 2 workers
-    for w in lay["zero1"]["per_worker"]:
-        assert w["held"] == {"params": every, "grads": every, "optimizer": padded}  # m and v: half each
-    for w in lay["zero2"]["per_worker"]:
-        assert w["held"] == {"params": every, "grads": padded // 2, "optimizer": padded}
+    for w in lay["zero1"].per_worker:
+        assert w.held == Held(params=every, grads=every, optimizer=padded)  # m and v: half each
+    for w in lay["zero2"].per_worker:
+        assert w.held == Held(params=every, grads=padded // 2, optimizer=padded)
     # optimizer parallel: the embedding, each layer, the final norm with the head, each padded to a multiple of 2
     # elements; a worker keeps half of each (weights, m, v), and gathers all units (level1/2) or one at a time
     # (level3: the largest unit at its peak)
@@ -72,9 +77,9 @@ def test_each_worker_holds_its_share(result):
     assert slices * 2 == padded and largest < padded / 3  # no padding in the tiny model; 4 units
     for name, grads, gathered in (("opt1", 2 * slices, 2 * slices), ("opt2", slices, 2 * slices),
                                   ("opt3", slices, largest)):
-        for w in lay[name]["per_worker"]:
-            assert w["held"] == {"params": slices, "grads": grads, "optimizer": 2 * slices, "gathered": gathered}
-    stages = [w["held"]["params"] for w in lay["pp2_1f1b"]["per_worker"]]
+        for w in lay[name].per_worker:
+            assert w.held == Held(params=slices, grads=grads, optimizer=2 * slices, gathered=gathered)
+    stages = [w.held.params for w in lay["pp2_1f1b"].per_worker]
     assert sum(stages) == every
 
 
@@ -99,19 +104,19 @@ def test_pipeline_runs_the_schedule_it_names(result):
     another order (the difference between them is what each stage holds, checked here too)."""
     for name, peaks in (("pp2_gpipe", [4, 4]), ("pp2_1f1b", [2, 1])):
         row = result["layouts"][name]
-        lay, stages = row["layout"], {w["place"][1]: w["pipeline"] for w in row["per_worker"]}
+        lay, stages = row.layout, {w.place.pp: w.pipeline for w in row.per_worker}
         assert sorted(stages) == [0, 1]
         for stage, peak in zip((0, 1), peaks, strict=True):
             assert len(stages[stage]) == layouts.SETTINGS["steps"], "one pipeline record per training step"
             for step in stages[stage]:
-                assert step["peak_held_microbatches"] == peak
-                program = [list(a) for a in programs(lay["schedule"], lay["micro"])[stage]]
-                assert [[a, j] for a, j, _, _ in step["timeline"]] == program
-                ends = [t for _, _, t0, t1 in step["timeline"] for t in (t0, t1)]
+                assert step.peak_held_microbatches == peak
+                program = [list(a) for a in programs(lay.schedule, lay.micro)[stage]]
+                assert [[a, j] for a, j, _, _ in step.timeline] == program
+                ends = [t for _, _, t0, t1 in step.timeline for t in (t0, t1)]
                 assert ends == sorted(ends), "actions one after the other"
         for s0, s1 in zip(stages[0], stages[1], strict=True):
-            floor = _stage0_idle_floor(s0["timeline"], s1["timeline"])
-            assert s0["idle_share"] >= floor - 1e-9, (name, s0["idle_share"], floor)
+            floor = _stage0_idle_floor(s0.timeline, s1.timeline)
+            assert s0.idle_share >= floor - 1e-9, (name, s0.idle_share, floor)
 
 
 def test_each_worker_holds_what_the_planner_says_or_a_named_cause(result):
@@ -120,8 +125,8 @@ def test_each_worker_holds_what_the_planner_says_or_a_named_cause(result):
     planner keeps whole as mindformers' default does; ZeRO-2's gradient shard; the embedding and norms MindSpore's
     optimizer parallel leaves whole, which the lab's opt1-3 shard)."""
     rows = parallel_lab.against_planner(result)
-    terms = lambda r: 4 if r["layout"]["opt_level"] else 3  # noqa: E731  optimizer parallel: + the gathered weights
-    assert len(rows) == sum(terms(r) * len(r["per_worker"]) for r in result["layouts"].values())
+    terms = lambda r: 4 if r.layout.opt_level else 3  # noqa: E731  optimizer parallel: + the gathered weights
+    assert len(rows) == sum(terms(r) * len(r.per_worker) for r in result["layouts"].values())
     assert all(r["unexplained"] == 0 for r in rows), [r for r in rows if r["unexplained"]]
     assert any(r["explained"] for r in rows)
 
@@ -135,6 +140,32 @@ def test_bytes_sent_are_the_textbook_volumes(result):
         assert r["counted"] == pytest.approx(r["textbook"], rel=1e-9), r
         assert r["cpu_stand_in"] >= r["counted"]  # a reduce-scatter sent as an all-reduce: more, never less
         assert r["io_per_step"] >= r["counted"], r
+
+
+def test_every_name_a_run_recorded_belongs_to_one_dimension(result):
+    """The comparison groups traffic by `collectives.DIMENSIONS` (tests/test_traffic.py: each Op in exactly one):
+    every worker recorded only Ops, and every dimension the textbook counts was recorded by some run."""
+    recorded = {op for row in result["layouts"].values() for w in row.per_worker for op in w.traffic}
+    assert all(isinstance(op, Op) for op in recorded)
+    for op in recorded:
+        assert sum(op in dim.textbook + dim.beside for dim in DIMENSIONS.values()) == 1, op
+    assert all(set(ops) & recorded for ops in parallel_lab.MAIN_OPS.values())
+
+
+def test_a_result_file_from_other_code_is_refused(result, tmp_path):
+    """A rank file with a key this code does not write (or without one it does) is an error naming the file,
+    not a layout rebuilt from defaults; an unknown traffic name too."""
+    written = result["layouts"]["tp2"].per_worker[0].to_json()
+    for change in (lambda d: d["layout"].pop("vocab"), lambda d: d.update(place=[0, 0, 0]),
+                   lambda d: d["traffic"].update(tp_mystery={"calls": 1, "sent_bytes": 1.0, "ideal_bytes": 1.0})):
+        d = json.loads(written)
+        change(d)
+        path = tmp_path / "rank0.json"
+        path.write_text(json.dumps(d))
+        with pytest.raises(LabkitError, match="rank0.json"):
+            layouts.RankResult.from_json(path)
+    path.write_text(written)
+    assert layouts.RankResult.from_json(path) == result["layouts"]["tp2"].per_worker[0]
 
 
 def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_path):

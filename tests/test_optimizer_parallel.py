@@ -17,7 +17,7 @@ from labkit.errors import LabkitError
 from labkit.model import scratch
 from labkit.parallel.collectives import Group
 from labkit.training.optimizer_parallel import OptimizerParallel, units
-from labkit.training.sharded import HandLayout, Optim, Worker
+from labkit.training.sharded import HandLayout, Held, Optim, Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from thread_group import Threads  # noqa: E402
@@ -106,7 +106,7 @@ def test_each_level_holds_its_slices_and_gathers_what_it_says(ms):
             return w.bytes_held()
 
         for held in Threads(DP).run(worker):
-            assert held == {"params": every // DP, "optimizer": 2 * every // DP, **expected}, level
+            assert held == Held(params=every // DP, optimizer=2 * every // DP, **expected), level
 
 
 @pytest.mark.parametrize("fields, says", [

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +25,14 @@ from labkit.errors import LabkitError
 from labkit.launch import workers as launch_workers
 from labkit.model import scratch
 from labkit.layout import Layout, OptimizerParallel
+from labkit.parallel.collectives import DIMENSIONS
 from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
 from labkit.paths import RUNS
 from labkit.sources import source_key, stamp, stamped
 from labkit.training import layouts
+from labkit.training.layouts import RankResult
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
+from labkit.training.sharded import HandLayout
 
 CACHE = RUNS / "parallel_lab"
 CPU = Numerics(amp_level="O0", flash_attention=False, fused_norm=False, fused_silu=False)  # how the layouts compute
@@ -167,54 +170,71 @@ def activation_memory(folder: Path | None = None) -> dict:
     out = {"seq_len": s["seq_len"], "micro_batch": s["global_batch"], "layouts": {}}
     for lay in layouts.MEMORY_LAYOUTS:
         launch = folder / lay.name
-        rows = [json.loads(p.read_text()) for p in sorted((launch / lay.name).glob("rank*.json"))]
-        peaks = [pool_peak_mb((launch / "logs" / f"worker_{r['rank']}.log").read_text(errors="replace"))
-                 for r in rows]
+        rows = _ranks(launch / lay.name)
+        peaks = [pool_peak_mb((launch / "logs" / f"worker_{r.rank}.log").read_text(errors="replace")) for r in rows]
         stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"], s["global_batch"], mp=lay.tp,
                                                         sequence_parallel=lay.sp, numerics=CPU)["stored"]
         loss = head_loss_count(lay, s)
-        out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r["held"] for r in rows],
+        out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r.held for r in rows],
                                     "planner_stored_mib": stored / 2**20, "planner_loss_mib": loss / 2**20,
-                                    "losses": [r["losses"] for r in rows]}
+                                    "losses": [r.losses for r in rows]}
     return out
 
 
-def load(root: Path, name: str) -> list[dict]:
-    """Every rank's result of one layout (rank order), each with its final weights under "weights"."""
-    found = sorted(root.glob(f"workers*/{name}/rank*.json"), key=lambda p: int(p.stem[4:]))
-    if not found:
+def _ranks(folder: Path) -> list[RankResult]:
+    """Every rank's result in a layout's folder, in rank order."""
+    return [RankResult.from_json(p) for p in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+
+
+def load(root: Path, name: str) -> list[RankResult]:
+    """Every rank's result of one layout (rank order), each with its final weights."""
+    rows = []
+    for folder in sorted(root.glob(f"workers*/{name}")):  # one folder: a layout runs in one launch
+        for row in _ranks(folder):
+            with np.load(folder / f"weights_rank{row.rank}.npz") as z:
+                rows.append(replace(row, weights=dict(z)))
+    if not rows:
         raise LabkitError(f"no results of layout '{name}' under {root}", "run parallel_runs() first")
-    rows = [json.loads(p.read_text()) for p in found]
-    for row, p in zip(rows, found, strict=True):
-        with np.load(p.parent / f"weights_rank{row['rank']}.npz") as z:
-            row["weights"] = dict(z)
     return rows
 
 
-def gathered(rows: list[dict]) -> dict:
+def gathered(rows: list[RankResult]) -> dict:
     """The full model from a layout's workers: tensor-parallel slices joined, pipeline stages merged (the first
     data-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
     of the weights, and gathers the full weights to save them (labkit.training.optimizer_parallel)."""
-    full, lay = {}, rows[0]["layout"]
-    replica = [r for r in rows if r["place"][0] == 0]
-    for name in {n for r in replica for n in r["weights"]}:
-        parts = [r["weights"][name] for r in replica if name in r["weights"]]
-        full[name] = scratch.unshard(name, parts, lay.get("vocab", False)) if lay["tp"] > 1 else parts[0]
+    full, lay = {}, rows[0].layout
+    replica = [r for r in rows if r.place.dp == 0]
+    for name in {n for r in replica for n in r.weights}:
+        parts = [r.weights[name] for r in replica if name in r.weights]
+        full[name] = scratch.unshard(name, parts, lay.vocab) if lay.tp > 1 else parts[0]
     return full
 
 
 def tolerances(root: Path) -> dict:
     f32, f64 = load(root, "single_float32")[0], load(root, "single_float64")[0]
-    d_loss = max(abs(a - b) for a, b in zip(f32["losses"], f64["losses"], strict=True))
-    d_w = max(float(np.abs(f32["weights"][k] - f64["weights"][k]).max()) for k in f32["weights"])
-    ulp = float(np.spacing(np.float32(max(f32["losses"]))))
+    d_loss = max(abs(a - b) for a, b in zip(f32.losses, f64.losses, strict=True))
+    d_w = max(float(np.abs(f32.weights[k] - f64.weights[k]).max()) for k in f32.weights)
+    ulp = float(np.spacing(np.float32(max(f32.losses))))
     return {"float32_vs_float64_loss": d_loss, "float32_vs_float64_weight": d_w,
             "loss": 4 * d_loss + 2 * ulp, "weight": 4 * d_w}
 
 
+@dataclass(frozen=True)
+class LayoutRun:
+    """One layout's run against the float32 single-card run (`compare`)."""
+    layout: HandLayout
+    workers: int
+    loss_diff: float  # the largest difference of a step's loss
+    weight_diff: float  # the largest difference of a final weight, the workers' weights gathered
+    same_names: bool  # the gathered weights are the single card's, by name
+    equal: bool  # both differences within the tolerances
+    per_worker: tuple[RankResult, ...]  # every worker's result, in rank order
+
+
 def compare(root: Path | None = None) -> dict:
-    """Per layout: its settings, the largest loss and final-weight differences from the float32 single-card run,
-    whether both are within the tolerances, and what each worker held and sent."""
+    """The tolerances (`tolerances`), the float32 single-card run under "reference" (a RankResult), and under
+    "layouts" a `LayoutRun` per layout: the largest loss and final-weight differences from the reference, whether
+    both are within the tolerances, and each worker's result (what it held and sent)."""
     root = root or parallel_runs("cached")
     tol = tolerances(root)
     ref = load(root, "single_float32")[0]
@@ -224,66 +244,62 @@ def compare(root: Path | None = None) -> dict:
             rows = load(root, lay.name)
             full = gathered(rows)
             last = rows[-1]  # the last stage's (or any worker's) losses: every worker reports the global loss
-            loss_diff = max(abs(a - b) for a, b in zip(last["losses"], ref["losses"], strict=True))
-            weight_diff = max(float(np.abs(full[k] - ref["weights"][k]).max()) for k in ref["weights"])
-            out[lay.name] = {
-                "workers": workers, "layout": asdict(lay), "loss_diff": loss_diff, "weight_diff": weight_diff,
-                "same_names": sorted(full) == sorted(ref["weights"]),
-                "equal": loss_diff <= tol["loss"] and weight_diff <= tol["weight"],
-                "per_worker": [{k: r[k] for k in ("rank", "place", "held", "sent_bytes", "ideal_sent_bytes",
-                                                  "io_bytes", "traffic", "pipeline", "seconds")} for r in rows]}
-    return {"tolerance": tol, "reference": {k: ref[k] for k in ("losses", "grad_norms", "held")}, "layouts": out}
+            loss_diff = max(abs(a - b) for a, b in zip(last.losses, ref.losses, strict=True))
+            weight_diff = max(float(np.abs(full[k] - ref.weights[k]).max()) for k in ref.weights)
+            out[lay.name] = LayoutRun(lay, workers, loss_diff, weight_diff, sorted(full) == sorted(ref.weights),
+                                      loss_diff <= tol["loss"] and weight_diff <= tol["weight"], tuple(rows))
+    return {"tolerance": tol, "reference": ref, "layouts": out}
 
 
 # ------------------------------------------------------------------------------------------ against the planner
 
 
-def planner_lines(lay: dict, stage: str | None = None) -> dict:
+def planner_lines(lay: HandLayout, stage: str | None = None) -> dict:
     """The planner's bytes per worker (float32 weights, gradients and AdamW moments, memory.model_states with the
     O0 census) for a layout, per stage. ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
     planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting. The optimizer-parallel layouts
     (opt_level) are MindSpore's levels: the planner's sharded lines, with the gathered weights."""
     cfg = layouts.model_cfg()
-    st = stage_weights(cfg, lay["pp"])[stage or ("only" if lay["pp"] == 1 else "first")]
-    level = lay.get("opt_level", 0)
-    layout = Layout(dp=lay["dp"], mp=lay["tp"], pp=lay["pp"], accum=lay["micro"], optimizer_shard=bool(level),
+    st = stage_weights(cfg, lay.pp)[stage or ("only" if lay.pp == 1 else "first")]
+    level = lay.opt_level
+    layout = Layout(dp=lay.dp, mp=lay.tp, pp=lay.pp, accum=lay.micro, optimizer_shard=bool(level),
                     optimizer=OptimizerParallel(level=f"level{level or 1}"))
     s = model_states(cfg, layout, CPU, st)
     out = {"params": s["weights"], "grads": s["gradients"],
-           "optimizer": s["optimizer"] / (lay["dp"] if lay["zero"] else 1)}
+           "optimizer": s["optimizer"] / (lay.dp if lay.zero else 1)}
     return {**out, "gathered": s["copies"]} if level else out
 
 
 # Where the lab's hand-written layouts hold something else than the planner counts, and why (bytes per worker).
-def explained(lay: dict, stage: str) -> dict:
+def explained(lay: HandLayout) -> dict:
     """What the planner's lines leave out or count differently for this layout: {term: bytes the measurement holds
     more (+) or less (-) than the planner}, each for a stated cause."""
     cfg = layouts.model_cfg()
     vocab_h = cfg.vocab_size * cfg.hidden_size
     out = {}
-    cut = 4 * vocab_h * (1 - 1 / lay["tp"])  # bytes of one vocabulary table a worker does not hold under tp
-    if lay["tp"] > 1 and lay.get("vocab"):
+    cut = 4 * vocab_h * (1 - 1 / lay.tp)  # bytes of one vocabulary table a worker does not hold under tp
+    if lay.tp > 1 and lay.vocab:
         # the planner keeps the embedding whole on every worker (mindformers' default vocab_emb_dp: True); the lab's
         # vocabulary-parallel embedding holds 1/tp of its rows (vocab_emb_dp: False, Megatron's VocabParallelEmbedding)
         out.update({"params": -cut, "grads": -cut, "optimizer": -2 * cut})
-    elif lay["tp"] > 1 and not lay.get("vocab") and not cfg.tie_word_embeddings:
+    elif lay.tp > 1 and not lay.vocab and not cfg.tie_word_embeddings:
         # the planner splits the output layer over mp (a vocabulary-parallel head, as mindformers does); a layout
         # with vocab=False keeps the head whole on every worker
         out.update({"params": cut, "grads": cut, "optimizer": 2 * cut})
-    if lay["zero"] == 2:
+    if lay.zero == 2:
         # ZeRO-2 keeps 1/dp of the gradients; the planner models optimizer sharding only (ZeRO-1)
         every = 4 * sum(int(np.prod(s)) for s in scratch.shapes(cfg).values())
-        out["grads"] = -(every - every / lay["dp"])
-    if lay["zero"]:
+        out["grads"] = -(every - every / lay.dp)
+    if lay.zero:
         # ZeRO's flat buffer is padded to a multiple of dp elements: at most dp - 1 elements of 8 bytes more
         out.setdefault("optimizer", 0.0)
-    level = lay.get("opt_level", 0)
+    level = lay.opt_level
     if level:
         # mindformers creates the embedding and the RMSNorm weights with parallel_optimizer=False (the census), so
         # MindSpore keeps them whole; the lab's units shard them like every other weight, and gather them too
         shapes = scratch.shapes(cfg)
         whole = 4 * sum(int(np.prod(v)) for n, v in shapes.items() if "embedding" in n or len(v) == 1)
-        half = whole * (1 - 1 / lay["dp"])
+        half = whole * (1 - 1 / lay.dp)
         out.update({"params": -half, "optimizer": -2 * half})
         if level > 1:
             out["grads"] = -half  # the accumulation buffer is sharded from level2 on
@@ -303,28 +319,22 @@ def against_planner(result: dict) -> list[dict]:
     (the optimizer-parallel layouts add the gathered weights at their peak)."""
     rows = []
     for name, row in result["layouts"].items():
-        lay = row["layout"]
-        for w in row["per_worker"]:
-            stage = "only" if lay["pp"] == 1 else ("first", "last")[w["place"][1]]
-            plan, why = planner_lines(lay, stage), explained(lay, stage)
+        lay = row.layout
+        for w in row.per_worker:
+            plan, why = planner_lines(lay, w.place.stage), explained(lay)
             for term in plan:
-                measured = w["held"][term]
-                rows.append({"layout": name, "rank": w["rank"], "term": term, "measured": measured,
+                measured = getattr(w.held, term)
+                rows.append({"layout": name, "rank": w.rank, "term": term, "measured": measured,
                              "planner": plan[term], "explained": why.get(term, 0.0),
                              "unexplained": measured - plan[term] - why.get(term, 0.0)})
     return rows
 
 
-MAIN_OPS = {"tp": ("tp_all_reduce_fwd", "tp_all_reduce_bwd"),
-            "sp": ("sp_all_gather_fwd", "sp_all_gather_bwd", "sp_reduce_scatter_fwd", "sp_reduce_scatter_bwd"),
-            "dp": ("dp_all_reduce",), "zero": ("zero1_reduce_scatter", "zero2_reduce_scatter", "zero_all_gather"),
-            "opt": ("opt_all_gather", "opt_regather", "opt_reduce_scatter"),
-            "pp": ("pp_activation", "pp_gradient"),
-            "vocab": ("vocab_embed_all_reduce_fwd", "vocab_head_all_reduce_bwd", "vocab_max_all_gather",
-                      "vocab_ce_all_reduce")}
+# Per dimension, the operations whose bytes the textbook's volume (`textbook_bytes`) counts.
+MAIN_OPS = {dim: d.textbook for dim, d in DIMENSIONS.items() if d.textbook}
 
 
-def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> dict:
+def textbook_bytes(lay: HandLayout, settings: dict = layouts.SETTINGS) -> dict:
     """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
     tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
     all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
@@ -336,32 +346,32 @@ def textbook_bytes(lay: dict, stage: int, settings: dict = layouts.SETTINGS) -> 
     cfg = layouts.model_cfg(settings)
     s, h, L, g = settings["seq_len"], cfg.hidden_size, cfg.num_layers, settings["global_batch"]
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
-    act = g // lay["dp"] * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
+    act = g // lay.dp * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
     out = {}
-    if lay["tp"] > 1:
-        out["sp" if lay["sp"] else "tp"] = 4 * L * ring(lay["tp"]) * act
-    if lay["dp"] > 1:
+    if lay.tp > 1:
+        out["sp" if lay.sp else "tp"] = 4 * L * ring(lay.tp) * act
+    if lay.dp > 1:
         every = 4 * sum(int(np.prod(v)) for v in scratch.shapes(cfg).values())
-        per = every if lay["tp"] == 1 else every - _split_bytes(cfg, lay) * (1 - 1 / lay["tp"])
-        out["zero" if lay["zero"] else "dp"] = ring(lay["dp"]) * per
-        if lay["zero"] == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
-            out["zero"] = (lay["micro"] + 1) * (lay["dp"] - 1) / lay["dp"] * per
-        level, m = lay.get("opt_level", 0), lay["micro"]
+        per = every if lay.tp == 1 else every - _split_bytes(cfg, lay) * (1 - 1 / lay.tp)
+        out["zero" if lay.zero else "dp"] = ring(lay.dp) * per
+        if lay.zero == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
+            out["zero"] = (lay.micro + 1) * (lay.dp - 1) / lay.dp * per
+        level, m = lay.opt_level, lay.micro
         if level:  # all-gathers and reduce-scatters of the weights' size, (p - 1)/p of it each
             del out["dp"]
-            out["opt"] = (m * (2 if level == 3 else 1) + (1 if level == 1 else m)) * (lay["dp"] - 1) / lay["dp"] * per
-    if lay["tp"] > 1 and lay.get("vocab"):
+            out["opt"] = (m * (2 if level == 3 else 1) + (1 if level == 1 else m)) * (lay.dp - 1) / lay.dp * per
+    if lay.tp > 1 and lay.vocab:
         # the embedding's partial lookups summed forward, the head input's gradient summed backward (b·s·h each);
         # the loss: an all-gather of every worker's row maxima, an all-reduce of [2, b·s] (target logit, sum of exp)
-        tokens = g // lay["dp"] * s * 4
-        out["vocab"] = 2 * ring(lay["tp"]) * act + (lay["tp"] - 1) * tokens + ring(lay["tp"]) * 2 * tokens
-    if lay["pp"] > 1:
+        tokens = g // lay.dp * s * 4
+        out["vocab"] = 2 * ring(lay.tp) * act + (lay.tp - 1) * tokens + ring(lay.tp) * 2 * tokens
+    if lay.pp > 1:
         out["pp"] = act  # m micro-batches of b/m: one whole batch's activations (stage 0) or gradients (stage 1)
     return out
 
 
-def _split_bytes(cfg, lay: dict) -> int:
-    shard = scratch.Shard(tp_size=lay["tp"], vocab_parallel=bool(lay.get("vocab")))
+def _split_bytes(cfg, lay: HandLayout) -> int:
+    shard = scratch.Shard(tp_size=lay.tp, vocab_parallel=lay.vocab)
     return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items() if shard.splits(k))
 
 
@@ -371,14 +381,14 @@ def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:
     every collective of the step, both directions)."""
     rows, steps = [], settings["steps"]
     for name, row in result["layouts"].items():
-        for w in row["per_worker"]:
-            book = textbook_bytes(row["layout"], w["place"][1], settings)
+        book = textbook_bytes(row.layout, settings)
+        for w in row.per_worker:
             for dim, expect in book.items():
-                ops = [w["traffic"][k] for k in MAIN_OPS[dim] if k in w["traffic"]]
-                rows.append({"layout": name, "rank": w["rank"], "dimension": dim, "textbook": expect,
-                             "counted": sum(o["ideal_bytes"] for o in ops) / steps,
-                             "cpu_stand_in": sum(o["sent_bytes"] for o in ops) / steps,
-                             "io_per_step": w["io_bytes"] / steps})
+                ops = [w.traffic[k] for k in MAIN_OPS[dim] if k in w.traffic]
+                rows.append({"layout": name, "rank": w.rank, "dimension": dim, "textbook": expect,
+                             "counted": sum(o.ideal_bytes for o in ops) / steps,
+                             "cpu_stand_in": sum(o.sent_bytes for o in ops) / steps,
+                             "io_per_step": w.io_bytes / steps})
     return rows
 
 
@@ -406,8 +416,8 @@ def evidence(layout, root: Path = CACHE) -> list[dict]:
         row = {"mindformers parallel_config": key, "used": used(layout), "shown by": f"{lab} (notebook {where})"}
         if result:
             r = result["layouts"][lab]
-            row.update({"max |loss - one card|": r["loss_diff"], "max |weight - one card|": r["weight_diff"],
-                        "equal to one card": r["equal"]})
+            row.update({"max |loss - one card|": r.loss_diff, "max |weight - one card|": r.weight_diff,
+                        "equal to one card": r.equal})
         else:
             row["equal to one card"] = missing
         rows.append(row)

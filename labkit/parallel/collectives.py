@@ -21,12 +21,16 @@ A stage-to-stage transfer (`transfer`) is a broadcast from the sender on the wor
 to which the receiver contributes zeros.
 
 Bytes are counted per worker with the ring algorithm's volumes (p workers, n bytes of the full tensor):
-all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer)."""
+all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer).
+Every counted operation has a name of `Op`, in one dimension of `DIMENSIONS` (what the comparison with the
+textbook groups by); `Traffic` refuses any other name."""
 from __future__ import annotations
 
+import enum
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from labkit.errors import LabkitError
 from labkit.model.scratch import Hooks
@@ -34,24 +38,93 @@ from labkit.model.scratch import Hooks
 SEQ = 1  # the sequence axis of [batch, seq, hidden]
 
 
+class Op(enum.StrEnum):
+    """The name of every collective a worker records (`Traffic`), as written to its result file."""
+    TP_ALL_REDUCE_FWD = "tp_all_reduce_fwd"  # Megatron's g: leave a TP block
+    TP_ALL_REDUCE_BWD = "tp_all_reduce_bwd"  # Megatron's f's backward: enter a TP block
+    SP_ALL_GATHER_FWD = "sp_all_gather_fwd"
+    SP_ALL_GATHER_BWD = "sp_all_gather_bwd"
+    SP_REDUCE_SCATTER_FWD = "sp_reduce_scatter_fwd"
+    SP_REDUCE_SCATTER_BWD = "sp_reduce_scatter_bwd"
+    SP_SPLIT_BWD = "sp_split_bwd"  # after the embedding: the sequence chunks' gradients gathered
+    SP_UNSPLIT_FWD = "sp_unsplit_fwd"  # before a replicated head: the sequence gathered
+    SP_NORM_ALL_REDUCE = "sp_norm_all_reduce"  # the norms' gradients, each worker's from its part of the sequence
+    DP_ALL_REDUCE = "dp_all_reduce"
+    ZERO1_REDUCE_SCATTER = "zero1_reduce_scatter"
+    ZERO2_REDUCE_SCATTER = "zero2_reduce_scatter"
+    ZERO_ALL_GATHER = "zero_all_gather"
+    OPT_ALL_GATHER = "opt_all_gather"
+    OPT_REGATHER = "opt_regather"  # level3: the weights gathered again for the backward
+    OPT_REDUCE_SCATTER = "opt_reduce_scatter"
+    OPT_GATHER_TO_SAVE = "opt_gather_to_save"  # after training: the full weights, to save them
+    PP_ACTIVATION = "pp_activation"
+    PP_GRADIENT = "pp_gradient"
+    VOCAB_EMBED_ALL_REDUCE_FWD = "vocab_embed_all_reduce_fwd"
+    VOCAB_HEAD_ALL_REDUCE_BWD = "vocab_head_all_reduce_bwd"
+    VOCAB_MAX_ALL_GATHER = "vocab_max_all_gather"
+    VOCAB_CE_ALL_REDUCE = "vocab_ce_all_reduce"
+    COUNT = "count"  # the global batch's tokens, summed over dp
+    LOSS = "loss"  # the step's loss, summed over dp or pp
+    NORM_TP = "norm_tp"  # the gradient norm's square sums, over each group
+    NORM_PP = "norm_pp"
+    NORM_DP = "norm_dp"
+
+
+class Dimension(NamedTuple):
+    """One parallel dimension's operations: those whose bytes the textbook's volume for the dimension counts
+    (labkit.course.parallel_lab.textbook_bytes), and those recorded beside them that it leaves out."""
+    textbook: tuple[Op, ...]
+    beside: tuple[Op, ...] = ()
+
+
+# Every Op in exactly one dimension (a test checks it): the comparison groups what a run recorded by these.
+DIMENSIONS = {
+    "tp": Dimension((Op.TP_ALL_REDUCE_FWD, Op.TP_ALL_REDUCE_BWD)),
+    "sp": Dimension((Op.SP_ALL_GATHER_FWD, Op.SP_ALL_GATHER_BWD, Op.SP_REDUCE_SCATTER_FWD, Op.SP_REDUCE_SCATTER_BWD),
+                    (Op.SP_SPLIT_BWD, Op.SP_UNSPLIT_FWD, Op.SP_NORM_ALL_REDUCE)),
+    "dp": Dimension((Op.DP_ALL_REDUCE,)),
+    "zero": Dimension((Op.ZERO1_REDUCE_SCATTER, Op.ZERO2_REDUCE_SCATTER, Op.ZERO_ALL_GATHER)),
+    "opt": Dimension((Op.OPT_ALL_GATHER, Op.OPT_REGATHER, Op.OPT_REDUCE_SCATTER), (Op.OPT_GATHER_TO_SAVE,)),
+    "pp": Dimension((Op.PP_ACTIVATION, Op.PP_GRADIENT)),
+    "vocab": Dimension((Op.VOCAB_EMBED_ALL_REDUCE_FWD, Op.VOCAB_HEAD_ALL_REDUCE_BWD, Op.VOCAB_MAX_ALL_GATHER,
+                        Op.VOCAB_CE_ALL_REDUCE)),
+    "scalars": Dimension((), (Op.COUNT, Op.LOSS, Op.NORM_TP, Op.NORM_PP, Op.NORM_DP)),  # a few bytes a step
+}
+
+
+def op_named(name: str, where: str = "") -> Op:
+    """The Op of a recorded name; a LabkitError naming it (and `where` it was read) when there is none."""
+    try:
+        return Op(name)
+    except ValueError:
+        raise LabkitError(f"'{name}'{' in ' + where if where else ''} is not a collective the lab records",
+                          "add it to labkit.parallel.collectives.Op and to its dimension in DIMENSIONS") from None
+
+
+class Sent(NamedTuple):
+    """One operation's count: calls, bytes this worker sent (as run here), bytes the real collective sends."""
+    calls: int
+    sent_bytes: float
+    ideal_bytes: float
+
+
 @dataclass
 class Traffic:
-    """Per operation name: calls, bytes this worker sent (as run here) and bytes the real collective sends."""
+    """Per operation (`Op`): calls, bytes this worker sent (as run here) and bytes the real collective sends."""
     calls: dict = field(default_factory=lambda: defaultdict(int))
     sent: dict = field(default_factory=lambda: defaultdict(float))
     ideal: dict = field(default_factory=lambda: defaultdict(float))
 
-    def add(self, name: str, sent: float, ideal: float | None = None) -> None:
+    def add(self, name: Op | str, sent: float, ideal: float | None = None) -> None:
+        """Count one call of `name` (an `Op`: any other name is a LabkitError, not a row the comparison drops)."""
+        name = op_named(name)
         self.calls[name] += 1
         self.sent[name] += sent
         self.ideal[name] += sent if ideal is None else ideal
 
-    def total(self, ideal: bool = False) -> float:
-        return sum((self.ideal if ideal else self.sent).values())
-
-    def as_dict(self) -> dict:
-        return {k: {"calls": self.calls[k], "sent_bytes": self.sent[k], "ideal_bytes": self.ideal[k]}
-                for k in sorted(self.calls)}
+    def counts(self) -> dict[Op, Sent]:
+        """What was counted so far, per operation (in name order)."""
+        return {k: Sent(self.calls[k], self.sent[k], self.ideal[k]) for k in sorted(self.calls)}
 
 
 def io_bytes() -> int:
@@ -91,13 +164,13 @@ class Group:
         return self._ops[kind]
 
     # ---------------------------------------------------------------- forward-only operations, counted
-    def all_reduce(self, x, name: str = "all_reduce"):
+    def all_reduce(self, x, name: Op):
         if self.size == 1:
             return x
         self.traffic.add(name, 2 * (self.size - 1) / self.size * nbytes(x))
         return self.op("all_reduce")(x)
 
-    def all_gather(self, x, axis: int = 0, name: str = "all_gather"):
+    def all_gather(self, x, axis: int, name: Op):
         """Concatenate every worker's x along `axis` (in group order)."""
         if self.size == 1:
             return x
@@ -109,7 +182,7 @@ class Group:
         perm = _swap(x.ndim, axis)
         return ops.transpose(self.op("all_gather")(ops.transpose(x, perm)), perm)
 
-    def stack_by_sum(self, x, name: str = "stack_by_sum"):
+    def stack_by_sum(self, x, name: Op):
         """[size, *x.shape]: every worker's x in group order, on any group (the CPU backend's AllGather runs on the
         world group only): an all-reduce where each worker fills its own slot with x and the others with zeros, so
         every sum is one x plus zeros, exact. Counted as sent: the all-reduce; ideal: an all-gather of x."""
@@ -121,7 +194,7 @@ class Group:
         self.traffic.add(name, 2 * (self.size - 1) * n, (self.size - 1) * n)
         return self.op("all_reduce")(ops.stack([x if i == self.index else ops.zeros_like(x) for i in range(self.size)]))
 
-    def reduce_scatter(self, x, axis: int = 0, name: str = "reduce_scatter"):
+    def reduce_scatter(self, x, axis: int, name: Op):
         """The sum over workers, of which this worker keeps its 1/size slice along `axis` (all-reduce + slice)."""
         if self.size == 1:
             return x
@@ -129,7 +202,7 @@ class Group:
         self.traffic.add(name, 2 * (self.size - 1) / self.size * n, (self.size - 1) / self.size * n)
         return chunk(self.op("all_reduce")(x), axis, self.size, self.index)
 
-    def transfer(self, x, src: int, world: bool, name: str = "p2p"):
+    def transfer(self, x, src: int, world: bool, name: Op):
         """x of worker `src` (an index in this group) delivered to every worker of the group; the others pass a
         tensor of the same shape and dtype (its values are not used)."""
         from mindspore import ops
@@ -214,15 +287,15 @@ def cells(group: Group) -> dict:
     """The six differentiable operations of the module docstring, each a forward and a hand-written backward
     (autodiff cannot differentiate AllGather on CPU: its backward would be a ReduceScatter)."""
     return {
-        "copy_in": differentiable(lambda x: x, lambda d: group.all_reduce(d, "tp_all_reduce_bwd")),
-        "reduce_out": differentiable(lambda x: group.all_reduce(x, "tp_all_reduce_fwd"), lambda d: d),
-        "gather_seq": differentiable(lambda x: group.all_gather(x, SEQ, "sp_all_gather_fwd"),
-                                     lambda d: group.reduce_scatter(d, SEQ, "sp_reduce_scatter_bwd")),
-        "scatter_seq": differentiable(lambda x: group.reduce_scatter(x, SEQ, "sp_reduce_scatter_fwd"),
-                                      lambda d: group.all_gather(d, SEQ, "sp_all_gather_bwd")),
+        "copy_in": differentiable(lambda x: x, lambda d: group.all_reduce(d, Op.TP_ALL_REDUCE_BWD)),
+        "reduce_out": differentiable(lambda x: group.all_reduce(x, Op.TP_ALL_REDUCE_FWD), lambda d: d),
+        "gather_seq": differentiable(lambda x: group.all_gather(x, SEQ, Op.SP_ALL_GATHER_FWD),
+                                     lambda d: group.reduce_scatter(d, SEQ, Op.SP_REDUCE_SCATTER_BWD)),
+        "scatter_seq": differentiable(lambda x: group.reduce_scatter(x, SEQ, Op.SP_REDUCE_SCATTER_FWD),
+                                      lambda d: group.all_gather(d, SEQ, Op.SP_ALL_GATHER_BWD)),
         "split_seq": differentiable(lambda x: chunk(x, SEQ, group.size, group.index),
-                                    lambda d: group.all_gather(d, SEQ, "sp_split_bwd")),
-        "unsplit_seq": differentiable(lambda x: group.all_gather(x, SEQ, "sp_unsplit_fwd"),
+                                    lambda d: group.all_gather(d, SEQ, Op.SP_SPLIT_BWD)),
+        "unsplit_seq": differentiable(lambda x: group.all_gather(x, SEQ, Op.SP_UNSPLIT_FWD),
                                       lambda d: chunk(d, SEQ, group.size, group.index)),
     }
 
@@ -238,14 +311,14 @@ def ce_forward(logits, labels, group: Group):
     from mindspore import ops
 
     part = logits.shape[-1]
-    top = ops.amax(group.stack_by_sum(ops.amax(logits, -1), "vocab_max_all_gather"), 0)
+    top = ops.amax(group.stack_by_sum(ops.amax(logits, -1), Op.VOCAB_MAX_ALL_GATHER), 0)
     z = logits - ops.expand_dims(top, -1)
     local = labels - group.index * part
     owned = ops.logical_and(local >= 0, local < part)
     local = ops.where(owned, local, ops.zeros_like(local))
     target = ops.squeeze(ops.gather_elements(z, 1, ops.expand_dims(local, -1)), -1) * owned.astype(z.dtype)
     e = ops.exp(z)
-    both = group.all_reduce(ops.stack([target, ops.sum(e, -1)]), "vocab_ce_all_reduce")
+    both = group.all_reduce(ops.stack([target, ops.sum(e, -1)]), Op.VOCAB_CE_ALL_REDUCE)
     return ops.log(both[1]) - both[0], (e / ops.expand_dims(both[1], -1), local, owned)
 
 
@@ -272,8 +345,8 @@ class VocabParallel(Hooks):
     def _vocab(self, group: Group, vocab: bool) -> None:
         if not vocab:
             return
-        self.embed_sum = differentiable(lambda x: group.all_reduce(x, "vocab_embed_all_reduce_fwd"), lambda d: d)
-        self.head_in = differentiable(lambda x: x, lambda d: group.all_reduce(d, "vocab_head_all_reduce_bwd"))
+        self.embed_sum = differentiable(lambda x: group.all_reduce(x, Op.VOCAB_EMBED_ALL_REDUCE_FWD), lambda d: d)
+        self.head_in = differentiable(lambda x: x, lambda d: group.all_reduce(d, Op.VOCAB_HEAD_ALL_REDUCE_BWD))
         self.cross_entropy = vocab_parallel_cross_entropy(group)
 
 

@@ -11,7 +11,7 @@ Started as a module, never as a script: a script's folder goes first on the impo
 profile.py would hide the standard library's (which transformers imports).
 
 A launch pays MindSpore's start-up once and runs its layouts one after the other; each writes, per rank,
-OUT/<layout>/rank<r>.json (losses, grad norms, bytes held and sent, the pipeline's timeline) and
+OUT/<layout>/rank<r>.json (a `RankResult`: losses, grad norms, bytes held and sent, the pipeline's timeline) and
 OUT/<layout>/weights_rank<r>.npz (the worker's final parameters, its tensor-parallel slices as they are; an
 optimizer-parallel worker gathers its full weights from the slices to save them).
 The reference runs the same model, data, seed and step on one process, in float32 (the run to equal) and in
@@ -19,11 +19,12 @@ float64 (to measure how far float32 rounding alone moves the float32 run: the to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +32,14 @@ import numpy as np
 from labkit.config import model_preset
 from labkit.data.dataset import ensure_dataset
 from labkit.data.loader import make_loader
+from labkit.errors import LabkitError
 from labkit.io import atomic_write_text
 from labkit.model import scratch
-from labkit.parallel.collectives import Group, Traffic, io_bytes, make_group
+from labkit.parallel.collectives import Group, Op, Sent, Traffic, io_bytes, make_group, op_named
 from labkit.runtime import prepare_process
 from labkit.training.optimizer_parallel import OptimizerParallel
-from labkit.training.pipeline import pipeline_step
-from labkit.training.sharded import HandLayout, Optim, Worker
+from labkit.training.pipeline import StageStep, pipeline_step
+from labkit.training.sharded import HandLayout, Held, Optim, Place, Worker
 
 LAYOUTS = {
     2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
@@ -60,6 +62,67 @@ MEMORY_LAYOUTS = [HandLayout("single"), HandLayout("tp2", tp=2), HandLayout("sp2
 MEMORY_SETTINGS = dict(SETTINGS, seq_len=256, steps=1)
 
 
+@dataclass(frozen=True)
+class RankResult:
+    """One worker's result of one layout, as `train_layout` writes it to OUT/<layout>/rank<r>.json and `from_json`
+    reads it back; its final weights are beside it (weights_rank<r>.npz), attached by whoever loads them."""
+    layout: HandLayout
+    rank: int
+    dtype: str  # the numpy dtype the worker computed in
+    losses: tuple[float, ...]  # the global loss of each step (every worker reports it)
+    grad_norms: tuple[float, ...]  # the global gradient norm of each step, before clipping
+    held: Held  # bytes this worker kept
+    traffic: dict[Op, Sent]  # what it sent over the whole run, per collective
+    pipeline: tuple[StageStep, ...]  # per step, a pipeline stage's record (none off the pipeline)
+    seconds: float  # the run's wall time on this worker
+    io_bytes: int  # bytes its read and write system calls moved during the run (/proc/self/io)
+    weights: dict = field(default_factory=dict, compare=False, repr=False)  # name -> array; not in the JSON
+
+    @property
+    def place(self) -> Place:
+        return self.layout.place(self.rank)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes sent as the CPU stand-ins ran, every collective together."""
+        return sum(s.sent_bytes for s in self.traffic.values())
+
+    @property
+    def ideal_sent_bytes(self) -> float:
+        """Bytes the real collectives send, every collective together."""
+        return sum(s.ideal_bytes for s in self.traffic.values())
+
+    def to_json(self) -> str:
+        return json.dumps({"layout": asdict(self.layout), "rank": self.rank, "dtype": self.dtype,
+                           "losses": self.losses, "grad_norms": self.grad_norms, "held": asdict(self.held),
+                           "traffic": {str(k): v._asdict() for k, v in self.traffic.items()},
+                           "pipeline": [p._asdict() for p in self.pipeline], "seconds": self.seconds,
+                           "io_bytes": self.io_bytes})
+
+    @classmethod
+    def from_json(cls, path: Path) -> RankResult:
+        """The result in `path`; a LabkitError naming the file and the keys when a record in it is not one this
+        code writes (a key missing or unknown: written by other code, so the run is stale; a layout rebuilt
+        from defaults would be another layout) or a traffic name is not an `Op`."""
+        def keys(what: str, got: dict, want) -> dict:
+            missing, unknown = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            if missing or unknown:
+                raise LabkitError(f"{path}: {what} is not one this code writes: missing {missing or 'nothing'}, "
+                                  f"unknown {unknown or 'nothing'}",
+                                  "delete its folder and run the layouts again (parallel_lab.parallel_runs('run'))")
+            return got
+
+        names = lambda kind: [f.name for f in dataclasses.fields(kind) if f.name != "weights"]  # noqa: E731
+        d = keys("the rank result", json.loads(Path(path).read_text()), names(cls))
+        return cls(HandLayout(**keys("its layout", d["layout"], names(HandLayout))), d["rank"], d["dtype"],
+                   tuple(d["losses"]), tuple(d["grad_norms"]), Held(**keys("its bytes held", d["held"], names(Held))),
+                   {op_named(k, str(path)): Sent(**keys(f"its count of {k}", v, Sent._fields))
+                    for k, v in d["traffic"].items()},
+                   tuple(StageStep(**{**keys("a pipeline record", p, StageStep._fields),
+                                      "timeline": tuple(map(tuple, p["timeline"]))}) for p in d["pipeline"]),
+                   d["seconds"], d["io_bytes"])
+
+
 def model_cfg(settings: dict = SETTINGS):
     return model_preset(settings["preset"])
 
@@ -74,25 +137,24 @@ def step_batches(layout: HandLayout, dp_index: int, settings: dict = SETTINGS):
 
 
 def groups_of(layout: HandLayout, rank: int, world: int, traffic: Traffic) -> dict:
-    d, s, t = layout.place(rank)
-    tp, pp = layout.tp, layout.pp
-    members = {"tp": [(d * pp + s) * tp + i for i in range(tp)],
-               "dp": [(i * pp + s) * tp + t for i in range(layout.dp)],
-               "pp": [(d * pp + i) * tp + t for i in range(pp)]}
+    at, tp, pp = layout.place(rank), layout.tp, layout.pp
+    members = {"tp": [(at.dp * pp + at.pp) * tp + i for i in range(tp)],
+               "dp": [(i * pp + at.pp) * tp + at.tp for i in range(layout.dp)],
+               "pp": [(at.dp * pp + i) * tp + at.tp for i in range(pp)]}
     if world == 1:
         return {k: Group("none", 1, 0, (0,), traffic) for k in members}
     return {k: make_group(v, rank, world, traffic) for k, v in members.items()}
 
 
 def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
-                 dtype=np.float32) -> dict:
+                 dtype=np.float32) -> RankResult:
     cfg = model_cfg(settings)
     layout.check(cfg, settings["global_batch"])
     traffic = Traffic()
     groups = groups_of(layout, rank, world, traffic)
     kind = OptimizerParallel if layout.opt_level else Worker
     worker = kind(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, Optim(), dtype)
-    batches = step_batches(layout, layout.place(rank)[0], settings)
+    batches = step_batches(layout, layout.place(rank).dp, settings)
     steps, t0 = [], time.time()
     io0 = io_bytes()
     for _ in range(settings["steps"]):
@@ -100,17 +162,14 @@ def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings:
         row = pipeline_step(worker, micro) if layout.pp > 1 else worker.train_step(micro)
         steps.append(row)
     io = io_bytes() - io0
-    result = {"layout": asdict(layout), "rank": rank, "place": layout.place(rank), "dtype": np.dtype(dtype).name,
-              "losses": [r["loss"] for r in steps], "grad_norms": [r["grad_norm"] for r in steps],
-              "held": worker.bytes_held(), "traffic": traffic.as_dict(), "sent_bytes": traffic.total(),
-              "ideal_sent_bytes": traffic.total(ideal=True), "io_bytes": io, "seconds": time.time() - t0,
-              "pipeline": [{k: r[k] for k in ("peak_held_microbatches", "idle_share", "timeline")}
-                           for r in steps if "timeline" in r]}
+    result = RankResult(layout, rank, np.dtype(dtype).name, tuple(r["loss"] for r in steps),
+                        tuple(r["grad_norm"] for r in steps), worker.bytes_held(), traffic.counts(),
+                        tuple(r["stage"] for r in steps if "stage" in r), time.time() - t0, io)
     where = out / layout.name
     where.mkdir(parents=True, exist_ok=True)
     np.savez(where / f".weights_rank{rank}.tmp.npz", **worker.weights())
     os.replace(where / f".weights_rank{rank}.tmp.npz", where / f"weights_rank{rank}.npz")
-    atomic_write_text(where / f"rank{rank}.json", json.dumps(result))
+    atomic_write_text(where / f"rank{rank}.json", result.to_json())
     return result
 
 

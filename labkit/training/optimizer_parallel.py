@@ -35,8 +35,8 @@ from __future__ import annotations
 import weakref
 
 from labkit.model import scratch
-from labkit.parallel.collectives import nbytes
-from labkit.training.sharded import Worker
+from labkit.parallel.collectives import Op, nbytes
+from labkit.training.sharded import Held, Worker
 
 
 def units(cfg) -> list[list[str]]:
@@ -61,7 +61,7 @@ class OptimizerParallel(Worker):
     def bucket_names(self) -> list[list[str]]:
         return units(self.cfg)
 
-    def gathered(self, buckets, name: str) -> list:
+    def gathered(self, buckets, name: Op) -> list:
         """The full padded flat weights of these units, gathered from every worker's slice and counted alive until
         Python frees them."""
         flats = [self.buckets.gather(self.mine, b, name) for b in buckets]
@@ -90,8 +90,8 @@ class OptimizerParallel(Worker):
             else:
                 acc = grads if acc is None else acc + grads
         self.held = {"grads": sum(nbytes(a) for a in acc) if level == 1 else nbytes(acc)}
-        g = self.buckets.scatter(acc, "opt_reduce_scatter") if level == 1 else acc
-        loss = self.sum_over(self.groups["dp"], loss, "loss")
+        g = self.buckets.scatter(acc, Op.OPT_REDUCE_SCATTER) if level == 1 else acc
+        loss = self.sum_over(self.groups["dp"], loss, Op.LOSS)
         self.mine, norm = self.sharded_adamw(self.mine, g)
         return {"loss": loss, "grad_norm": norm}
 
@@ -101,13 +101,13 @@ class OptimizerParallel(Worker):
         import mindspore as ms
 
         every = range(len(self.buckets.flats))
-        flats = self.gathered(every, "opt_all_gather")
+        flats = self.gathered(every, Op.OPT_ALL_GATHER)
         value, grads = ms.value_and_grad(lambda *fl: self.loss(self.weights_of(every, fl), tokens, labels, mask,
                                                                 count), grad_position=tuple(every))(*flats)
         del flats  # released once the backward is done
         grads = list(grads)
         return float(value.asnumpy()), grads if self.layout.opt_level == 1 else self.buckets.scatter(
-            grads, "opt_reduce_scatter")
+            grads, Op.OPT_REDUCE_SCATTER)
 
     def segments(self, labels, mask, count) -> list:
         """`scratch.stage` and the loss cut at the units: (units read, f(weights, x) -> x) in forward order."""
@@ -134,14 +134,14 @@ class OptimizerParallel(Worker):
         segments, inputs, x = self.segments(labels, mask, count), [], tokens
         for reads, f in segments:
             inputs.append(x)
-            flats = self.gathered(reads, "opt_all_gather")
+            flats = self.gathered(reads, Op.OPT_ALL_GATHER)
             x = f(self.weights_of(reads, flats), x)
             del flats
         loss, dx = float(x.asnumpy()), ms.Tensor(1.0, x.dtype)
         slices = [None] * len(self.buckets.flats)
         for k in reversed(range(len(segments))):
             (reads, f), x = segments[k], inputs.pop()
-            flats = self.gathered(reads, "opt_regather")
+            flats = self.gathered(reads, Op.OPT_REGATHER)
             if k:  # a unit after the embedding: gradients of its input and its weights
                 _, vjp = ms.vjp(lambda x_, *fl: f(self.weights_of(reads, fl), x_), x, *flats)
                 dx, *dw = vjp(dx)
@@ -151,16 +151,15 @@ class OptimizerParallel(Worker):
                 dw = list(dw) if isinstance(dw, tuple) else [dw]
             del flats, vjp
             for b, g in zip(reads, dw):
-                part = self.buckets.scatter([g], "opt_reduce_scatter")
+                part = self.buckets.scatter([g], Op.OPT_REDUCE_SCATTER)
                 slices[b] = part if slices[b] is None else slices[b] + part
         return loss, ops.cat(slices)
 
-    def bytes_held(self) -> dict:
-        return {"params": nbytes(self.mine), "grads": self.held.get("grads", 0),
-                "optimizer": nbytes(self.m) + nbytes(self.v), "gathered": self.peak}
+    def bytes_held(self) -> Held:
+        return Held(nbytes(self.mine), self.held.get("grads", 0), nbytes(self.m) + nbytes(self.v), self.peak)
 
     def weights(self) -> dict:
         """The full final weights, gathered from every worker's slice (every worker must call this)."""
         every = range(len(self.buckets.flats))
-        full = self.weights_of(every, [self.buckets.gather(self.mine, b, "opt_gather_to_save") for b in every])
+        full = self.weights_of(every, [self.buckets.gather(self.mine, b, Op.OPT_GATHER_TO_SAVE) for b in every])
         return {n: full[n].asnumpy() for n in self.names}

@@ -22,8 +22,18 @@ ideal time)."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from labkit.model import scratch
+from labkit.parallel.collectives import Op
+
+
+class StageStep(NamedTuple):
+    """One optimizer step of one stage: the micro-batches it held at once at its peak, its idle share, and its
+    timeline, (action, micro-batch, start, end) rows in seconds from the step's start."""
+    peak_held_microbatches: int
+    idle_share: float
+    timeline: tuple[tuple[str, int, float, float], ...]
 
 
 def programs(schedule: str, m: int) -> dict[int, list[tuple[str, int]]]:
@@ -50,7 +60,8 @@ def transfers(program: list) -> list[tuple[str, int]]:
 
 
 def pipeline_step(w, micro_batches: list) -> dict:
-    """One optimizer step of worker `w` (labkit.training.sharded.Worker) as a pipeline stage."""
+    """One optimizer step of worker `w` (labkit.training.sharded.Worker) as a pipeline stage: its loss and
+    gradient norm, and under "stage" its `StageStep`."""
     import mindspore as ms
     from mindspore import ops
 
@@ -91,17 +102,17 @@ def pipeline_step(w, micro_batches: list) -> dict:
                 outbox[("g", j)] = g_in[0] if isinstance(g_in, tuple) else g_in
             grads = list(g_w) if grads is None else [a + g for a, g in zip(grads, g_w)]
         elif action == "send_act":
-            pp.transfer(outbox.pop(j), 0, True, "pp_activation")
+            pp.transfer(outbox.pop(j), 0, True, Op.PP_ACTIVATION)
         elif action == "recv_act":
-            inbox[j] = pp.transfer(ops.zeros((b, s, cfg.hidden_size), dtype), 0, True, "pp_activation")
+            inbox[j] = pp.transfer(ops.zeros((b, s, cfg.hidden_size), dtype), 0, True, Op.PP_ACTIVATION)
         elif action == "send_grad":
-            pp.transfer(outbox.pop(("g", j)), 1, True, "pp_gradient")
+            pp.transfer(outbox.pop(("g", j)), 1, True, Op.PP_GRADIENT)
         elif action == "recv_grad":
-            inbox[("g", j)] = pp.transfer(ops.zeros((b, s, cfg.hidden_size), dtype), 1, True, "pp_gradient")
+            inbox[("g", j)] = pp.transfer(ops.zeros((b, s, cfg.hidden_size), dtype), 1, True, Op.PP_GRADIENT)
         peak = max(peak, len(held))
         timeline.append((action, j, t0 - t_start, time.perf_counter() - t_start))
-    loss = w.sum_over(pp, loss, "loss")
+    loss = w.sum_over(pp, loss, Op.LOSS)
     wall = time.perf_counter() - t_start
     busy = sum(t1 - t0 for a, _, t0, t1 in timeline if a in ("F", "B"))
     result = w.update({n: g for n, g in zip(w.names, grads)}, loss)
-    return {**result, "peak_held_microbatches": peak, "idle_share": 1 - busy / wall, "timeline": timeline}
+    return {**result, "stage": StageStep(peak, 1 - busy / wall, tuple(timeline))}

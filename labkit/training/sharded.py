@@ -18,6 +18,7 @@ Pipeline layouts run `labkit.training.pipeline` for step 3; MindSpore's optimize
 its 1/dp slice of the weights) is `labkit.training.optimizer_parallel`."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,10 +27,39 @@ import numpy as np
 from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.model import scratch
-from labkit.parallel.collectives import Group, SequenceParallel, TensorParallel, nbytes
+from labkit.parallel.collectives import Group, Op, SequenceParallel, TensorParallel, nbytes
 from labkit.training.schedule import lr_at
 
 SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank sits in its layout's grid: its data-parallel, pipeline-stage and tensor-parallel index, and
+    how many stages there are (to name its stage)."""
+    dp: int
+    pp: int
+    tp: int
+    stages: int = 1
+
+    @property
+    def stage(self) -> str:
+        """The stage's name in the planner's words (labkit.parallel.memory.stage_weights): only, first or last."""
+        return "only" if self.stages == 1 else "first" if self.pp == 0 else "last"
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes a worker keeps (`Worker.bytes_held`), per term of the planner's lines: parameters, gradients (as kept
+    until the update), AdamW states, and for optimizer parallel the peak of gathered weights (None elsewhere)."""
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int | None = None
+
+    def terms(self) -> dict[str, int]:
+        """The terms this worker has, by name (no "gathered" but for optimizer parallel)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -52,9 +82,8 @@ class HandLayout:
     def workers(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def place(self, rank: int) -> tuple[int, int, int]:
-        """(dp_index, pp_index, tp_index) of a rank."""
-        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
+    def place(self, rank: int) -> Place:
+        return Place(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp, self.pp)
 
     def check(self, cfg: ModelConfig, global_batch: int) -> None:
         where = f"layout '{self.name}'"
@@ -83,10 +112,10 @@ class HandLayout:
 
 
 def stage_shard(cfg: ModelConfig, layout: HandLayout, rank: int) -> scratch.Shard:
-    _, stage, tp_index = layout.place(rank)
+    place = layout.place(rank)
     per = math.ceil(cfg.num_layers / layout.pp)
-    return scratch.Shard(first_layer=stage * per, end_layer=min(cfg.num_layers, (stage + 1) * per),
-                         tp_size=layout.tp, tp_rank=tp_index, vocab_parallel=layout.vocab and layout.tp > 1)
+    return scratch.Shard(first_layer=place.pp * per, end_layer=min(cfg.num_layers, (place.pp + 1) * per),
+                         tp_size=layout.tp, tp_rank=place.tp, vocab_parallel=layout.vocab and layout.tp > 1)
 
 
 # ------------------------------------------------------------------------------------------ AdamW, written out
@@ -169,7 +198,7 @@ class Worker:
 
         parts = [scratch.split_batch(ids, self.cfg.pad_token_id) for ids in micro_batches]
         count = ms.Tensor(sum(float(m.asnumpy().sum()) for _, _, m in parts), ms.float32)
-        return parts, self.groups["dp"].all_reduce(count, "count")
+        return parts, self.groups["dp"].all_reduce(count, Op.COUNT)
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this worker's micro-batches (token ids [b, s+1] each); returns loss and norm."""
@@ -184,10 +213,10 @@ class Worker:
                                              weights)()
             loss += float(value.asnumpy())
             if self.layout.zero == 2:  # reduce-scatter now: keep only this worker's shard of the gradients
-                grads = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, grads))), "zero2_reduce_scatter")
+                grads = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, grads))), Op.ZERO2_REDUCE_SCATTER)
             acc = grads if acc is None else (acc + grads if self.layout.zero == 2 else
                                              tuple(a + g for a, g in zip(acc, grads)))
-        loss = self.sum_over(dp, loss, "loss")
+        loss = self.sum_over(dp, loss, Op.LOSS)
         if self.layout.zero:
             return self._zero_update(acc, loss)
         return self.update({n: g for n, g in zip(self.names, acc)}, loss)
@@ -196,13 +225,13 @@ class Worker:
         """Steps 4-6 of the module docstring for full (not ZeRO-sharded) gradients of this worker's parameters."""
         dp = self.groups["dp"]
         self.held = {"grads": sum(nbytes(g) for g in grads.values())}
-        grads = {n: dp.all_reduce(g, "dp_all_reduce") for n, g in grads.items()}
+        grads = {n: dp.all_reduce(g, Op.DP_ALL_REDUCE) for n, g in grads.items()}
         tp = self.groups["tp"]
-        grads = {n: tp.all_reduce(g, "sp_norm_all_reduce") if self.sp_partial(n) else g for n, g in grads.items()}
+        grads = {n: tp.all_reduce(g, Op.SP_NORM_ALL_REDUCE) if self.sp_partial(n) else g for n, g in grads.items()}
         split = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if self.tp_split(n))
         whole = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if not self.tp_split(n))
-        sq = self.sum_over(tp, split, "norm_tp") + whole
-        norm = math.sqrt(self.sum_over(self.groups["pp"], sq, "norm_pp"))
+        sq = self.sum_over(tp, split, Op.NORM_TP) + whole
+        norm = math.sqrt(self.sum_over(self.groups["pp"], sq, Op.NORM_PP))
         scale = self.clip_scale(norm)
         lr = lr_at(self.step, self.o)
         for n in self.names:
@@ -212,7 +241,7 @@ class Worker:
         self.step += 1
         return {"loss": loss, "grad_norm": norm}
 
-    def sum_over(self, group: Group, value: float, name: str) -> float:
+    def sum_over(self, group: Group, value: float, name: Op) -> float:
         import mindspore as ms
 
         if group.size == 1:
@@ -226,7 +255,7 @@ class Worker:
         """Steps 5-6 on this worker's slice `p` of the flat buffers, `g` the gradient slice summed over dp: the
         global norm from every slice's squares summed over dp (each element counted once), clip, AdamW on the
         slice with its moments. Returns (updated slice, norm); shared by ZeRO and optimizer parallel."""
-        norm = math.sqrt(self.sum_over(self.groups["dp"], float((g * g).sum().asnumpy()), "norm_dp"))
+        norm = math.sqrt(self.sum_over(self.groups["dp"], float((g * g).sum().asnumpy()), Op.NORM_DP))
         p, self.m, self.v = adamw(p, g * self.clip_scale(norm), self.m, self.v, lr_at(self.step, self.o),
                                   self.wd_shard, self.o)
         self.step += 1
@@ -236,21 +265,20 @@ class Worker:
         """ZeRO: this worker updates its 1/dp shard of the flat parameter vector, then all shards are gathered."""
         if self.layout.zero == 1:  # the full local gradients were kept; reduce-scatter them once
             self.held = {"grads": sum(nbytes(g) for g in acc)}
-            g = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, acc))), "zero1_reduce_scatter")
+            g = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, acc))), Op.ZERO1_REDUCE_SCATTER)
         else:
             self.held = {"grads": nbytes(acc)}
             g = acc
         p, norm = self.sharded_adamw(self.buckets.own(self.params), g)
-        for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, "zero_all_gather")).items():
+        for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, Op.ZERO_ALL_GATHER)).items():
             self.params[n].set_data(value)
         return {"loss": loss, "grad_norm": norm}
 
-    def bytes_held(self) -> dict:
+    def bytes_held(self) -> Held:
         """What this worker keeps between steps: parameters, gradients (as kept until the update), AdamW states."""
         opt = (nbytes(self.m) + nbytes(self.v) if self.layout.zero else
                sum(nbytes(t) for t in (*self.m.values(), *self.v.values())))
-        return {"params": sum(nbytes(p) for p in self.params.values()), "grads": self.held.get("grads", 0),
-                "optimizer": opt}
+        return Held(sum(nbytes(p) for p in self.params.values()), self.held.get("grads", 0), opt)
 
     def weights(self) -> dict:
         return {n: p.asnumpy() for n, p in self.params.items()}
@@ -310,14 +338,14 @@ class Buckets:
         i = self.dp.index
         return ops.cat([full[i * f.shard_size:(i + 1) * f.shard_size] for full, f in zip(self.pack(tensors), self.flats)])
 
-    def gather(self, mine, b: int, name: str):
+    def gather(self, mine, b: int, name: Op):
         """Buffer b's full padded flat vector, all-gathered from every worker's slice (`mine`: a slice vector)."""
         return self.dp.all_gather(mine[self.starts[b]:self.starts[b + 1]], 0, name)
 
     def unpack(self, b: int, flat) -> dict:
         return dict(zip(self.names[b], self.flats[b].unpack(flat)))
 
-    def scatter(self, flats: list, name: str):
+    def scatter(self, flats: list, name: Op):
         """One padded flat vector per buffer (this worker's gradients) -> this worker's slice vector of their sum
         over dp: a reduce-scatter per buffer."""
         from mindspore import ops
