@@ -16,8 +16,9 @@ from labkit.config import model_preset
 from labkit.errors import LabkitError
 from labkit.model import scratch
 from labkit.parallel.collectives import Group
+from labkit.training.layouts import TRAIN
 from labkit.training.optimizer_parallel import OptimizerParallel, units
-from labkit.training.sharded import HandLayout, Held, Optim, Worker
+from labkit.training.sharded import HandLayout, Held, Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from thread_group import Threads  # noqa: E402
@@ -49,7 +50,7 @@ def _alone() -> dict:
 @pytest.fixture(scope="module")
 def single(ms):
     full = scratch.init(CFG, 3)
-    w = Worker(CFG, HandLayout("single"), full, 0, {"dp": Group("none", 1, 0), **_alone()}, Optim())
+    w = Worker(CFG, HandLayout("single"), full, 0, {"dp": Group("none", 1, 0), **_alone()}, TRAIN)
     rows = [w.train_step([b]) for b in _batches()]
     return full, rows, w.weights()
 
@@ -69,7 +70,7 @@ def test_a_sharded_step_is_one_cards_adamw_step(single, name, kind, fields):
     layout.check(CFG, DP * MICRO)
 
     def worker(member):
-        w = kind(CFG, layout, full, member.index, {"dp": member, **_alone()}, Optim())
+        w = kind(CFG, layout, full, member.index, {"dp": member, **_alone()}, TRAIN)
         r = member.index
         rows = [w.train_step([b[MICRO * r + j:MICRO * r + j + 1] for j in range(MICRO)]) for b in _batches()]
         return rows, w.weights(), w.bytes_held()
@@ -100,7 +101,7 @@ def test_each_level_holds_its_slices_and_gathers_what_it_says(ms):
         layout = HandLayout(f"opt{level}", dp=DP, opt_level=level, micro=MICRO)
 
         def worker(member):
-            w = OptimizerParallel(CFG, layout, full, member.index, {"dp": member, **_alone()}, Optim())
+            w = OptimizerParallel(CFG, layout, full, member.index, {"dp": member, **_alone()}, TRAIN)
             b, r = _batches()[0], member.index
             w.train_step([b[MICRO * r + j:MICRO * r + j + 1] for j in range(MICRO)])
             return w.bytes_held()

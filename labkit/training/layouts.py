@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from labkit.config import model_preset
+from labkit.config import TrainConfig, model_preset
 from labkit.data.dataset import ensure_dataset
 from labkit.data.loader import make_loader
 from labkit.errors import LabkitError
@@ -39,7 +39,7 @@ from labkit.parallel.collectives import Group, Op, Sent, Traffic, io_bytes, make
 from labkit.runtime import prepare_process
 from labkit.training.optimizer_parallel import OptimizerParallel
 from labkit.training.pipeline import StageStep, pipeline_step
-from labkit.training.sharded import HandLayout, Held, Optim, Place, Worker
+from labkit.training.sharded import HandLayout, Held, Place, Worker
 
 LAYOUTS = {
     2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
@@ -51,6 +51,9 @@ LAYOUTS = {
     4: [HandLayout("dp2_tp2", dp=2, tp=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
+# The tiny CPU config's optimizer (TrainConfig's defaults: lr, AdamW, clipping), its warmup and decay shortened for
+# runs of a few steps.
+TRAIN = dataclasses.replace(TrainConfig(), warmup_steps=2, decay_steps=20)
 REFERENCE = HandLayout("single")
 # The activation-memory probe: MindSpore prints its memory pool's peak when a process ends, so each layout measured
 # has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
@@ -153,7 +156,7 @@ def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings:
     traffic = Traffic()
     groups = groups_of(layout, rank, world, traffic)
     kind = OptimizerParallel if layout.opt_level else Worker
-    worker = kind(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, Optim(), dtype)
+    worker = kind(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, TRAIN, dtype)
     batches = step_batches(layout, layout.place(rank).dp, settings)
     steps, t0 = [], time.time()
     io0 = io_bytes()

@@ -24,7 +24,7 @@ final norm with the head), each a flat buffer padded to a multiple of dp (`shard
             by unit (gather, compute, release; only each unit's input is kept), the backward gathers each unit again
             and recomputes it under `ms.vjp` for its input and weight gradients (full recompute, one unit at a time)
 
-then the clipped AdamW update of the slice (`Worker.sharded_adamw`, ZeRO's too). Only the updated slice is kept:
+then the clipped AdamW update of the slice (`sharded.FlatAdamW`, ZeRO's too). Only the updated slice is kept:
 the next forward gathers. A reduce-scatter is the CPU stand-in (all-reduce + slice, labkit.parallel.collectives).
 
 Gathered weights are counted when they are alive: `gathered` adds a gathered unit's bytes and a finalizer takes
@@ -36,7 +36,7 @@ import weakref
 
 from labkit.model import scratch
 from labkit.parallel.collectives import Op, nbytes
-from labkit.training.sharded import Held, Worker
+from labkit.training.sharded import Buckets, FlatAdamW, Held, Worker, sum_over
 
 
 def units(cfg) -> list[list[str]]:
@@ -56,10 +56,12 @@ class OptimizerParallel(Worker):
         super().__init__(*args, **kwargs)
         self.mine = self.buckets.own(self.params)  # this worker's weight slice: all it keeps of the weights
         self.params = {}
-        self.alive, self.peak = 0, 0
+        self.alive, self.peak, self.held_grads = 0, 0, 0
 
-    def bucket_names(self) -> list[list[str]]:
-        return units(self.cfg)
+    def make_optimizer(self) -> FlatAdamW:
+        """AdamW on the weight slice, over one flat buffer per unit (`buckets`, set here)."""
+        self.buckets = Buckets(units(self.cfg), {n: self.params[n].shape for n in self.names}, self.groups["dp"])
+        return FlatAdamW(self, self.buckets)
 
     def gathered(self, buckets, name: Op) -> list:
         """The full padded flat weights of these units, gathered from every worker's slice and counted alive until
@@ -89,10 +91,10 @@ class OptimizerParallel(Worker):
                 acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
             else:
                 acc = grads if acc is None else acc + grads
-        self.held = {"grads": sum(nbytes(a) for a in acc) if level == 1 else nbytes(acc)}
+        self.held_grads = sum(nbytes(a) for a in acc) if level == 1 else nbytes(acc)
         g = self.buckets.scatter(acc, Op.OPT_REDUCE_SCATTER) if level == 1 else acc
-        loss = self.sum_over(self.groups["dp"], loss, Op.LOSS)
-        self.mine, norm = self.sharded_adamw(self.mine, g)
+        loss = sum_over(self.groups["dp"], loss, Op.LOSS)
+        self.mine, norm = self.optimizer.update(self.mine, g)
         return {"loss": loss, "grad_norm": norm}
 
     def whole(self, tokens, labels, mask, count):
@@ -156,7 +158,7 @@ class OptimizerParallel(Worker):
         return loss, ops.cat(slices)
 
     def bytes_held(self) -> Held:
-        return Held(nbytes(self.mine), self.held.get("grads", 0), nbytes(self.m) + nbytes(self.v), self.peak)
+        return Held(nbytes(self.mine), self.held_grads, self.optimizer.nbytes(), self.peak)
 
     def weights(self) -> dict:
         """The full final weights, gathered from every worker's slice (every worker must call this)."""

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from labkit.model import scratch
 from labkit.parallel.collectives import Op
+from labkit.training.sharded import sum_over
 
 
 class StageStep(NamedTuple):
@@ -111,8 +112,8 @@ def pipeline_step(w, micro_batches: list) -> dict:
             inbox[("g", j)] = pp.transfer(ops.zeros((b, s, cfg.hidden_size), dtype), 1, True, Op.PP_GRADIENT)
         peak = max(peak, len(held))
         timeline.append((action, j, t0 - t_start, time.perf_counter() - t_start))
-    loss = w.sum_over(pp, loss, Op.LOSS)
+    loss = sum_over(pp, loss, Op.LOSS)
     wall = time.perf_counter() - t_start
     busy = sum(t1 - t0 for a, _, t0, t1 in timeline if a in ("F", "B"))
-    result = w.update({n: g for n, g in zip(w.names, grads)}, loss)
+    result = w.optimizer.update(w, tuple(grads), loss)
     return {**result, "stage": StageStep(peak, 1 - busy / wall, tuple(timeline))}

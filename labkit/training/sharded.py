@@ -14,6 +14,9 @@ One optimizer step, whatever the layout:
     5. global norm = sqrt of the squares summed once per element (tp-split, stage, ZeRO shards add up; replicated
        copies count once), clip factor min(clip / (norm + 1e-6), 1)
     6. AdamW on what this worker owns; ZeRO all-gathers the updated parameter shards
+Steps 4-6 (and how micro-batches' gradients add up) are the worker's optimizer, one object per kind: `AdamW` (every
+moment whole), `ZeRO1` and `ZeRO2` (AdamW on this worker's slice of one flat buffer, `FlatAdamW`, which optimizer
+parallel shares); each reads the run's TrainConfig (lr, schedule, AdamW, clipping) as it is.
 Pipeline layouts run `labkit.training.pipeline` for step 3; MindSpore's optimizer parallel (a worker that keeps only
 its 1/dp slice of the weights) is `labkit.training.optimizer_parallel`."""
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from labkit.config import ModelConfig
+from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
 from labkit.model import scratch
 from labkit.parallel.collectives import Group, Op, SequenceParallel, TensorParallel, nbytes
@@ -121,64 +124,158 @@ def stage_shard(cfg: ModelConfig, layout: HandLayout, rank: int) -> scratch.Shar
 # ------------------------------------------------------------------------------------------ AdamW, written out
 
 
-@dataclass(frozen=True)
-class Optim:
-    """The tiny CPU config's optimizer (configs/tiny_cpu.yaml), its warmup and decay shortened for runs of a few
-    steps; `lr_at` reads lr, min_lr, warmup_steps and decay_steps from it as from a TrainConfig."""
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 2
-    decay_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-
-
-def adamw(p, g, m, v, lr: float, wd, o: Optim):
+def adamw(p, g, m, v, lr: float, wd, t: TrainConfig):
     """One AdamW update as `nn.AdamWeightDecay` computes it (no bias correction; decay added to the update):
     m' = b1 m + (1-b1) g,  v' = b2 v + (1-b2) g²,  p' = p - lr (m' / (sqrt(v') + eps) + wd p). Returns (p', m', v')."""
     from mindspore import ops
 
-    m = o.beta1 * m + (1.0 - o.beta1) * g
-    v = o.beta2 * v + (1.0 - o.beta2) * ops.square(g)
-    return p - lr * (m / (ops.sqrt(v) + o.eps) + wd * p), m, v
+    m = t.beta1 * m + (1.0 - t.beta1) * g
+    v = t.beta2 * v + (1.0 - t.beta2) * ops.square(g)
+    return p - lr * (m / (ops.sqrt(v) + t.eps) + wd * p), m, v
+
+
+def sum_over(group: Group, value: float, name: Op) -> float:
+    """A number summed over the group's workers (in float32: the CPU backend's AllReduce has no float64)."""
+    import mindspore as ms
+
+    if group.size == 1:
+        return value
+    return float(group.all_reduce(ms.Tensor(value, ms.float32), name).asnumpy())
+
+
+def clip_scale(norm: float, t: TrainConfig) -> float:
+    """Step 5's factor: min(clip / (norm + 1e-6), 1), or 1 without clipping."""
+    return min(t.grad_clip / (norm + 1e-6), 1.0) if t.grad_clip > 0 else 1.0
+
+
+class WholeGradients:
+    """An optimizer that accumulates each micro-batch's whole gradients; `held_grads`: their bytes at the update."""
+    held_grads = 0
+
+    def add(self, acc, grads: tuple):
+        """The gradients accumulated so far with one micro-batch's (in parameter order)."""
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads))
+
+
+class AdamW(WholeGradients):
+    """Every worker keeps whole gradients and the AdamW moments of all its parameters (data, tensor and pipeline
+    parallel): steps 4-6 of the module docstring."""
+
+    def __init__(self, w: Worker):
+        import mindspore as ms
+
+        self.m = {n: ms.Tensor(np.zeros(w.params[n].shape, w.dtype)) for n in w.names}
+        self.v = {n: ms.Tensor(np.zeros(w.params[n].shape, w.dtype)) for n in w.names}
+        self.step = 0
+
+    def update(self, w: Worker, acc: tuple, loss: float) -> dict:
+        """Steps 4-6 on the accumulated gradients of w's parameters; returns the loss and the gradient norm."""
+        dp, tp = w.groups["dp"], w.groups["tp"]
+        self.held_grads = sum(nbytes(g) for g in acc)
+        grads = {n: dp.all_reduce(g, Op.DP_ALL_REDUCE) for n, g in zip(w.names, acc)}
+        grads = {n: tp.all_reduce(g, Op.SP_NORM_ALL_REDUCE) if w.sp_partial(n) else g for n, g in grads.items()}
+        split = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if w.tp_split(n))
+        whole = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if not w.tp_split(n))
+        sq = sum_over(tp, split, Op.NORM_TP) + whole
+        norm = math.sqrt(sum_over(w.groups["pp"], sq, Op.NORM_PP))
+        scale = clip_scale(norm, w.train)
+        lr = lr_at(self.step, w.train)
+        for n in w.names:
+            p, self.m[n], self.v[n] = adamw(w.params[n], grads[n] * scale, self.m[n], self.v[n], lr, w.decay[n],
+                                            w.train)
+            w.params[n].set_data(p)
+        self.step += 1
+        return {"loss": loss, "grad_norm": norm}
+
+    def nbytes(self) -> int:
+        return sum(nbytes(t) for t in (*self.m.values(), *self.v.values()))
+
+
+class FlatAdamW:
+    """AdamW on this worker's 1/dp slice of flat buffers (`Buckets`), its moments one vector each: steps 5-6 for
+    a gradient slice summed over dp. Shared by ZeRO and optimizer parallel (labkit.training.optimizer_parallel)."""
+
+    def __init__(self, w: Worker, buckets: Buckets):
+        import mindspore as ms
+
+        self.buckets, self.train = buckets, w.train
+        self.wd = buckets.own({n: ms.Tensor(np.full(w.params[n].shape, w.decay[n], w.dtype)) for n in w.names})
+        self.m = ms.Tensor(np.zeros(buckets.size, w.dtype))
+        self.v = ms.Tensor(np.zeros(buckets.size, w.dtype))
+        self.step = 0
+
+    def update(self, p, g):
+        """The global norm from every slice's squares summed over dp (each element counted once), clip, AdamW on
+        the slice `p` with its moments. Returns (updated slice, norm)."""
+        norm = math.sqrt(sum_over(self.buckets.dp, float((g * g).sum().asnumpy()), Op.NORM_DP))
+        p, self.m, self.v = adamw(p, g * clip_scale(norm, self.train), self.m, self.v,
+                                  lr_at(self.step, self.train), self.wd, self.train)
+        self.step += 1
+        return p, norm
+
+    def nbytes(self) -> int:
+        return nbytes(self.m) + nbytes(self.v)
+
+
+class ZeRO1(WholeGradients):
+    """ZeRO stage 1 (Rajbhandari et al.): whole gradients accumulated as `AdamW` does, reduce-scattered once at the
+    step; this worker updates its 1/dp shard of the flat parameter vector, then all shards are gathered."""
+
+    def __init__(self, w: Worker):
+        self.buckets = Buckets([w.names], {n: w.params[n].shape for n in w.names}, w.groups["dp"])
+        self.flat = FlatAdamW(w, self.buckets)
+
+    def gradient_slice(self, w: Worker, acc):
+        """This worker's shard of the accumulated gradients summed over dp."""
+        self.held_grads = sum(nbytes(g) for g in acc)
+        return self.buckets.scatter(self.buckets.pack(dict(zip(w.names, acc))), Op.ZERO1_REDUCE_SCATTER)
+
+    def update(self, w: Worker, acc, loss: float) -> dict:
+        p, norm = self.flat.update(self.buckets.own(w.params), self.gradient_slice(w, acc))
+        for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, Op.ZERO_ALL_GATHER)).items():
+            w.params[n].set_data(value)
+        return {"loss": loss, "grad_norm": norm}
+
+    def nbytes(self) -> int:
+        return self.flat.nbytes()
+
+
+class ZeRO2(ZeRO1):
+    """ZeRO stage 2: as stage 1, but each micro-batch's gradients are reduce-scattered at once, so a worker keeps
+    only its 1/dp shard of them."""
+
+    def add(self, acc, grads: tuple):
+        g = self.buckets.scatter(self.buckets.pack(dict(zip(self.buckets.names[0], grads))), Op.ZERO2_REDUCE_SCATTER)
+        return g if acc is None else acc + g
+
+    def gradient_slice(self, w: Worker, acc):
+        self.held_grads = nbytes(acc)
+        return acc
 
 
 # ------------------------------------------------------------------------------------------ one worker's state
 
 
 class Worker:
-    """One worker's parameters, optimizer states and groups for a layout (all but the pipeline's step)."""
+    """One worker's parameters, optimizer (`optimizer`: AdamW, ZeRO1 or ZeRO2 by layout.zero) and groups for a
+    layout (all but the pipeline's step); `train` is the run's TrainConfig (lr, schedule, AdamW, clipping)."""
 
-    def __init__(self, cfg: ModelConfig, layout: HandLayout, full: dict, rank: int, groups: dict, optim: Optim,
-                 dtype=np.float32):
-        import mindspore as ms
+    OPTIMIZERS = {0: AdamW, 1: ZeRO1, 2: ZeRO2}  # by layout.zero
 
-        self.cfg, self.layout, self.rank, self.groups, self.o = cfg, layout, rank, groups, optim
+    def __init__(self, cfg: ModelConfig, layout: HandLayout, full: dict, rank: int, groups: dict,
+                 train: TrainConfig, dtype=np.float32):
+        self.cfg, self.layout, self.rank, self.groups, self.train, self.dtype = cfg, layout, rank, groups, train, dtype
         self.shard = stage_shard(cfg, layout, rank)
         self.params = scratch.parameters(full, cfg, self.shard, dtype)
         self.names = list(self.params)
         tp = groups["tp"]
         self.hooks = ((SequenceParallel if layout.sp else TensorParallel)(tp, layout.vocab) if layout.tp > 1
                       else scratch.Hooks())
-        self.decay = {n: (optim.weight_decay if len(self.params[n].shape) > 1 else 0.0) for n in self.names}
-        if layout.zero or layout.opt_level:  # AdamW on this worker's 1/dp slice of the flat buffers only
-            self.buckets = Buckets(self.bucket_names(), {n: self.params[n].shape for n in self.names}, groups["dp"])
-            self.wd_shard = self.buckets.own({n: ms.Tensor(np.full(self.params[n].shape, self.decay[n], dtype))
-                                              for n in self.names})
-            self.m = ms.Tensor(np.zeros(self.buckets.size, dtype))
-            self.v = ms.Tensor(np.zeros(self.buckets.size, dtype))
-        else:
-            self.m = {n: ms.Tensor(np.zeros(self.params[n].shape, dtype)) for n in self.names}
-            self.v = {n: ms.Tensor(np.zeros(self.params[n].shape, dtype)) for n in self.names}
-        self.step = 0
-        self.held = {}
+        self.decay = {n: (train.weight_decay if len(self.params[n].shape) > 1 else 0.0) for n in self.names}
+        self.optimizer = self.make_optimizer()
 
-    def bucket_names(self) -> list[list[str]]:
-        """The parameters of each flat buffer the sharded optimizer slices: ZeRO puts all of them in one."""
-        return [self.names]
+    def make_optimizer(self):
+        return self.OPTIMIZERS[self.layout.zero](self)
 
     # which parameters are split over tp (their square sums add over tp) and which the SP norms are
     def tp_split(self, name: str) -> bool:
@@ -204,7 +301,6 @@ class Worker:
         """One optimizer step over this worker's micro-batches (token ids [b, s+1] each); returns loss and norm."""
         import mindspore as ms
 
-        dp = self.groups["dp"]
         parts, count = self.batch(micro_batches)
         weights = [self.params[n] for n in self.names]
         acc, loss = None, 0.0
@@ -212,73 +308,13 @@ class Worker:
             value, grads = ms.value_and_grad(lambda: self.loss(self.params, tokens, labels, mask, count), None,
                                              weights)()
             loss += float(value.asnumpy())
-            if self.layout.zero == 2:  # reduce-scatter now: keep only this worker's shard of the gradients
-                grads = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, grads))), Op.ZERO2_REDUCE_SCATTER)
-            acc = grads if acc is None else (acc + grads if self.layout.zero == 2 else
-                                             tuple(a + g for a, g in zip(acc, grads)))
-        loss = self.sum_over(dp, loss, Op.LOSS)
-        if self.layout.zero:
-            return self._zero_update(acc, loss)
-        return self.update({n: g for n, g in zip(self.names, acc)}, loss)
-
-    def update(self, grads: dict, loss: float) -> dict:
-        """Steps 4-6 of the module docstring for full (not ZeRO-sharded) gradients of this worker's parameters."""
-        dp = self.groups["dp"]
-        self.held = {"grads": sum(nbytes(g) for g in grads.values())}
-        grads = {n: dp.all_reduce(g, Op.DP_ALL_REDUCE) for n, g in grads.items()}
-        tp = self.groups["tp"]
-        grads = {n: tp.all_reduce(g, Op.SP_NORM_ALL_REDUCE) if self.sp_partial(n) else g for n, g in grads.items()}
-        split = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if self.tp_split(n))
-        whole = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if not self.tp_split(n))
-        sq = self.sum_over(tp, split, Op.NORM_TP) + whole
-        norm = math.sqrt(self.sum_over(self.groups["pp"], sq, Op.NORM_PP))
-        scale = self.clip_scale(norm)
-        lr = lr_at(self.step, self.o)
-        for n in self.names:
-            p, self.m[n], self.v[n] = adamw(self.params[n], grads[n] * scale, self.m[n], self.v[n], lr,
-                                            self.decay[n], self.o)
-            self.params[n].set_data(p)
-        self.step += 1
-        return {"loss": loss, "grad_norm": norm}
-
-    def sum_over(self, group: Group, value: float, name: Op) -> float:
-        import mindspore as ms
-
-        if group.size == 1:
-            return value
-        return float(group.all_reduce(ms.Tensor(value, ms.float32), name).asnumpy())  # AllReduce has no float64
-
-    def clip_scale(self, norm: float) -> float:
-        return min(self.o.grad_clip / (norm + 1e-6), 1.0) if self.o.grad_clip > 0 else 1.0
-
-    def sharded_adamw(self, p, g):
-        """Steps 5-6 on this worker's slice `p` of the flat buffers, `g` the gradient slice summed over dp: the
-        global norm from every slice's squares summed over dp (each element counted once), clip, AdamW on the
-        slice with its moments. Returns (updated slice, norm); shared by ZeRO and optimizer parallel."""
-        norm = math.sqrt(self.sum_over(self.groups["dp"], float((g * g).sum().asnumpy()), Op.NORM_DP))
-        p, self.m, self.v = adamw(p, g * self.clip_scale(norm), self.m, self.v, lr_at(self.step, self.o),
-                                  self.wd_shard, self.o)
-        self.step += 1
-        return p, norm
-
-    def _zero_update(self, acc, loss: float) -> dict:
-        """ZeRO: this worker updates its 1/dp shard of the flat parameter vector, then all shards are gathered."""
-        if self.layout.zero == 1:  # the full local gradients were kept; reduce-scatter them once
-            self.held = {"grads": sum(nbytes(g) for g in acc)}
-            g = self.buckets.scatter(self.buckets.pack(dict(zip(self.names, acc))), Op.ZERO1_REDUCE_SCATTER)
-        else:
-            self.held = {"grads": nbytes(acc)}
-            g = acc
-        p, norm = self.sharded_adamw(self.buckets.own(self.params), g)
-        for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, Op.ZERO_ALL_GATHER)).items():
-            self.params[n].set_data(value)
-        return {"loss": loss, "grad_norm": norm}
+            acc = self.optimizer.add(acc, grads)
+        return self.optimizer.update(self, acc, sum_over(self.groups["dp"], loss, Op.LOSS))
 
     def bytes_held(self) -> Held:
         """What this worker keeps between steps: parameters, gradients (as kept until the update), AdamW states."""
-        opt = (nbytes(self.m) + nbytes(self.v) if self.layout.zero else
-               sum(nbytes(t) for t in (*self.m.values(), *self.v.values())))
-        return Held(sum(nbytes(p) for p in self.params.values()), self.held.get("grads", 0), opt)
+        return Held(sum(nbytes(p) for p in self.params.values()), self.optimizer.held_grads,
+                    self.optimizer.nbytes())
 
     def weights(self) -> dict:
         return {n: p.asnumpy() for n, p in self.params.items()}
