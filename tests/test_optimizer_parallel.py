@@ -117,3 +117,14 @@ def test_each_level_holds_its_slices_and_gathers_what_it_says(ms):
 def test_a_layout_refuses_what_optimizer_parallel_does_not_do(fields, says):
     with pytest.raises(LabkitError, match=says):
         HandLayout("x", **fields).check(CFG, 8)
+
+
+def test_the_layouts_train_as_the_tiny_config_says():
+    """The hand-written layouts take TrainConfig's defaults with a shortened schedule (layouts.TRAIN): the defaults
+    must stay the optimizer configs/tiny_cpu.yaml trains the one-card runs with."""
+    from labkit.config import load_run_config
+    from labkit.training.layouts import TRAIN
+
+    tiny = load_run_config("configs/tiny_cpu.yaml").train
+    for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        assert getattr(TRAIN, name) == getattr(tiny, name), name

@@ -265,7 +265,7 @@ def differentiable(forward, backward, saves: bool = False):
     `_Function` (the PyTorch-style autograd function its own recompute is built on, PyNative only) keeps only what
     `ctx.save_for_backward` is given."""
 
-    class Op(function_base()):
+    class Function(function_base()):  # not `Op`: that name is the module's traffic names
         @staticmethod
         def forward(ctx, x, *more):
             ctx.more = len(more)
@@ -280,7 +280,7 @@ def differentiable(forward, backward, saves: bool = False):
             dx = backward(ctx.saved_tensors, dout) if saves else backward(dout)
             return (dx, *[None] * ctx.more) if ctx.more else dx  # one gradient per input; none for `more`
 
-    return Op.apply
+    return Function.apply
 
 
 def cells(group: Group) -> dict:
