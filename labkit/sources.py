@@ -1,7 +1,7 @@
 """What a cached result was made from, as one key: a sha256 over the text of every labkit module its entry point
 imports, transitively, and of the data files named. A cache is fresh exactly when the key it stored is today's.
 
-    key = source_key("labkit.training.layouts", data=["data/corpus"])   # a module's name, or a script's path
+    key = source_key("labkit.byhand.runs", data=["data/corpus"])   # a module's name, or a script's path
     ...run it...; stamp(folder / "DONE", key)
     fresh = stamped(folder / "DONE", key)
 
@@ -33,7 +33,7 @@ def read_bytes(path: Path) -> bytes:
 
 
 def modules(package: Path) -> dict[str, Path]:
-    """Every module of the package at `package`: its name relative to the package ("training.layouts"; "" for the
+    """Every module of the package at `package`: its name relative to the package ("byhand.runs"; "" for the
     package's own `__init__.py`) -> its file."""
     out = {}
     for f in package.rglob("*.py"):
@@ -75,7 +75,7 @@ def _with_packages(mod: str, known: dict[str, Path]) -> set[str]:
 
 def dependencies(*entries: str | Path) -> list[Path]:
     """The entries' files and every file of the package they import, transitively, sorted. An entry is a labkit
-    module's dotted name ("labkit.training.layouts") or the path of a script (bench/plan_calibration.py)."""
+    module's dotted name ("labkit.byhand.runs") or the path of a script (bench/plan_calibration.py)."""
     known = modules(PACKAGE)
     names, scripts = set(), []
     for e in entries:

@@ -9,15 +9,17 @@ Layers, bottom to top; a module imports only from its own layer or below, and th
     model      model/
     domain     weights/  data/  parallel/
     training   training/
+    byhand     byhand/   (parallelism by hand on CPU workers: model.scratch's hooks, data, the lr schedule)
     launch     launch/
     doctor     doctor/
     course     course/
     entry      cli  __main__  launch/__main__   (dispatch only)
 
-Also: only entry points import the CLI; no private name (`_x`) is taken from another module; no import cycle;
-the trainer does not use the planner; the data layer neither builds nor trains a model; a module imports the
-package's own modules at its top, where a reader sees its dependencies (inside a function only with a comment on the
-line saying why; MindSpore, mindformers and torch stay lazy for start-up time).
+Also: only entry points import the CLI; no private name (`_x`) is taken from another module; no import cycle; the
+trainer does not use the planner, nor the hand-written layouts (byhand) the parallel package; the data layer neither
+builds nor trains a model; a module imports the package's own modules at its top, where a reader sees its
+dependencies (inside a function only with a comment on the line saying why; MindSpore, mindformers and torch stay
+lazy for start-up time).
 
 The imports are read by `labkit.sources.package_imports`, the reader the caches' source keys use too."""
 from __future__ import annotations
@@ -34,6 +36,7 @@ LAYERS = [
     ("model", ["model"]),
     ("domain", ["weights", "data", "parallel"]),
     ("training", ["training"]),
+    ("byhand", ["byhand"]),
     ("launch", ["launch"]),
     ("doctor", ["doctor"]),
     ("course", ["course"]),
@@ -41,6 +44,7 @@ LAYERS = [
 ]
 FORBIDDEN = [  # (importer prefix, imported prefix, why)
     ("training", "parallel.planner", "the trainer does not depend on the planner"),
+    ("byhand", "parallel", "the hand-written layouts do not use the planner nor the framework's parallel config"),
     ("data", "model", "the data layer does not build a model"),
     ("data", "training", "the data layer does not train a model"),
 ]

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from labkit.layout import Layout
+from labkit.byhand import runs
+from labkit.byhand.comm import DIMENSIONS, Op
+from labkit.byhand.pipeline_parallel import programs
+from labkit.byhand.worker import Held
 from labkit.course import parallel_lab
 from labkit.errors import LabkitError
+from labkit.layout import Layout
 from labkit.model import scratch
-from labkit.parallel.collectives import DIMENSIONS, Op
-from labkit.training import layouts
-from labkit.training.pipeline import programs
-from labkit.training.sharded import Held
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_the_tolerance_is_float32_rounding_and_finer_than_one_update(result):
     assert tol["weight"] < first_lr / 4
 
 
-@pytest.mark.parametrize("name", [lay.name for n in sorted(layouts.LAYOUTS) for lay in layouts.LAYOUTS[n]])
+@pytest.mark.parametrize("name", [lay.name for n in sorted(runs.LAYOUTS) for lay in runs.LAYOUTS[n]])
 def test_layout_equals_single_card(result, name):
     row, tol = result["layouts"][name], result["tolerance"]
     assert len(row.per_worker) == row.workers, "a result from every worker"
@@ -44,12 +44,12 @@ def test_layout_equals_single_card(result, name):
 
 
 def _bytes(names) -> int:
-    shapes = scratch.shapes(layouts.model_cfg())
+    shapes = scratch.shapes(runs.model_cfg())
     return 4 * sum(int(np.prod(shapes[n])) for n in names)
 
 
 def test_each_worker_holds_its_share(result):
-    cfg = layouts.model_cfg()
+    cfg = runs.model_cfg()
     every = _bytes(scratch.shapes(cfg))
     # tensor parallel splits every layer's matrices and, vocabulary-parallel, the embedding and the head
     split = _bytes(n for n in scratch.shapes(cfg) if scratch.Shard(tp_size=2, vocab_parallel=True).splits(n))
@@ -97,17 +97,17 @@ def _stage0_idle_floor(stage0: list, stage1: list) -> float:
 
 
 def test_pipeline_runs_the_schedule_it_names(result):
-    """Every step of each stage ran its program (labkit.training.pipeline.programs) in order, one action after the
-    other, and held the micro-batches the schedule says at its peak. The idle share is a timing, so no bound is
-    asserted from one machine's run; stage 0's is checked against the floor its dependencies on stage 1 force
-    (`_stage0_idle_floor`), which holds under any load. GPipe and 1F1B have the same floor: the same work in
+    """Every step of each stage ran its program (labkit.byhand.pipeline_parallel.programs) in order, one action
+    after the other, and held the micro-batches the schedule says at its peak. The idle share is a timing, so no
+    bound is asserted from one machine's run; stage 0's is checked against the floor its dependencies on stage 1
+    force (`_stage0_idle_floor`), which holds under any load. GPipe and 1F1B have the same floor: the same work in
     another order (the difference between them is what each stage holds, checked here too)."""
     for name, peaks in (("pp2_gpipe", [4, 4]), ("pp2_1f1b", [2, 1])):
         row = result["layouts"][name]
         lay, stages = row.layout, {w.place.pp: w.pipeline for w in row.per_worker}
         assert sorted(stages) == [0, 1]
         for stage, peak in zip((0, 1), peaks, strict=True):
-            assert len(stages[stage]) == layouts.SETTINGS["steps"], "one pipeline record per training step"
+            assert len(stages[stage]) == runs.SETTINGS["steps"], "one pipeline record per training step"
             for step in stages[stage]:
                 assert step.peak_held_microbatches == peak
                 program = [list(a) for a in programs(lay.schedule, lay.micro)[stage]]
@@ -143,7 +143,7 @@ def test_bytes_sent_are_the_textbook_volumes(result):
 
 
 def test_every_name_a_run_recorded_belongs_to_one_dimension(result):
-    """The comparison groups traffic by `collectives.DIMENSIONS` (tests/test_traffic.py: each Op in exactly one):
+    """The comparison groups traffic by `comm.DIMENSIONS` (tests/test_comm.py: each Op in exactly one):
     every worker recorded only Ops, and every dimension the textbook counts was recorded by some run."""
     recorded = {op for row in result["layouts"].values() for w in row.per_worker for op in w.traffic}
     assert all(isinstance(op, Op) for op in recorded)
@@ -163,16 +163,16 @@ def test_a_result_file_from_other_code_is_refused(result, tmp_path):
         path = tmp_path / "rank0.json"
         path.write_text(json.dumps(d))
         with pytest.raises(LabkitError, match="rank0.json"):
-            layouts.RankResult.from_json(path)
+            runs.RankResult.from_json(path)
     path.write_text(written)
-    assert layouts.RankResult.from_json(path) == result["layouts"]["tp2"].per_worker[0]
+    assert runs.RankResult.from_json(path) == result["layouts"]["tp2"].per_worker[0]
 
 
 def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_path):
     every = Layout(dp=2, mp=2, pp=2, optimizer_shard=True, sequence_parallel=True)
     rows = parallel_lab.evidence(every)
     assert len(rows) == 6 and all(r["used"] and r["equal to one card"] is True for r in rows)
-    assert {r["shown by"].split()[0] for r in rows} <= {lay.name for n in layouts.LAYOUTS for lay in layouts.LAYOUTS[n]}
+    assert {r["shown by"].split()[0] for r in rows} <= {lay.name for n in runs.LAYOUTS for lay in runs.LAYOUTS[n]}
     plain = parallel_lab.evidence(Layout(dp=8), root=tmp_path)
     assert [r["used"] for r in plain] == [True, False, False, False, False, False]
     assert all("run notebook 06a" in r["equal to one card"] for r in plain)  # nothing cached there: says what to run

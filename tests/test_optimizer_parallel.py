@@ -1,6 +1,6 @@
 """One process, no msrun: the sharded optimizer steps equal a plain AdamW step of the whole model on the same batch.
-MindSpore's optimizer parallel at levels 1-3 (labkit.training.optimizer_parallel) and the lab's ZeRO-1/2
-(labkit.training.sharded) run on dp = 3 workers that are threads of this process (tests/thread_group.py), two
+MindSpore's optimizer parallel at levels 1-3 (labkit.byhand.optimizer_parallel) and the lab's ZeRO-1/2
+(labkit.byhand.data_parallel) run on dp = 3 workers that are threads of this process (tests/thread_group.py), two
 micro-batches each, for two steps (the second reads the slices the first kept); a model whose flat buffers are not
 multiples of 3 makes the padding real. Each worker holds the bytes its level says, gathered weights included. The
 msrun runs (tests/test_layouts.py) train the same code between processes."""
@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from labkit.byhand.comm import Group
+from labkit.byhand.optimizer_parallel import OptimizerParallel, units
+from labkit.byhand.runs import TRAIN
+from labkit.byhand.worker import HandLayout, Held, Worker
 from labkit.config import model_preset
 from labkit.errors import LabkitError
 from labkit.model import scratch
-from labkit.parallel.collectives import Group
-from labkit.training.layouts import TRAIN
-from labkit.training.optimizer_parallel import OptimizerParallel, units
-from labkit.training.sharded import HandLayout, Held, Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from thread_group import Threads  # noqa: E402
@@ -120,10 +120,9 @@ def test_a_layout_refuses_what_optimizer_parallel_does_not_do(fields, says):
 
 
 def test_the_layouts_train_as_the_tiny_config_says():
-    """The hand-written layouts take TrainConfig's defaults with a shortened schedule (layouts.TRAIN): the defaults
+    """The hand-written layouts take TrainConfig's defaults with a shortened schedule (runs.TRAIN): the defaults
     must stay the optimizer configs/tiny_cpu.yaml trains the one-card runs with."""
     from labkit.config import load_run_config
-    from labkit.training.layouts import TRAIN
 
     tiny = load_run_config("configs/tiny_cpu.yaml").train
     for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from labkit.byhand.pipeline_parallel import programs
 from labkit.course.pipeline_sim import bubble_fraction, peak_in_flight, pipeline_schedule, simulated_bubble
-from labkit.training.pipeline import programs
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -10,7 +10,7 @@ import pytest
 from labkit import sources
 from labkit.course import parallel_lab
 
-LAYOUTS = "labkit.training.layouts"  # the parallel layouts' worker, what parallel_lab's cache holds results of
+LAYOUTS = "labkit.byhand.runs"  # the parallel layouts' worker, what parallel_lab's cache holds results of
 
 
 def _changed(monkeypatch, relative: str):
@@ -21,8 +21,8 @@ def _changed(monkeypatch, relative: str):
 
 
 def test_a_module_imported_only_indirectly_changes_the_key(monkeypatch):
-    text = (sources.PACKAGE / "training/layouts.py").read_text(encoding="utf-8")
-    direct = {t for t, _, _ in sources.package_imports(text, "training.layouts", False, set(sources.modules(
+    text = (sources.PACKAGE / "byhand/runs.py").read_text(encoding="utf-8")
+    direct = {t for t, _, _ in sources.package_imports(text, "byhand.runs", False, set(sources.modules(
         sources.PACKAGE)), "labkit")}
     assert "training.schedule" not in direct, "the test wants a module the worker does not import itself"
     before, launch = sources.source_key(LAYOUTS), parallel_lab.launch_key(["worker"], 2)

@@ -1,7 +1,7 @@
 """t workers of one process as a group for the one-process tests of hand-written parallel code: each worker is a
 thread, and a collective hands every member's tensor to all at a barrier. One thread computes at a time (MindSpore's
 eager executor is not safe for concurrent callers): a member computes only while it holds `turn`, which it gives up
-while it waits at a collective. A `Member` answers the calls labkit.parallel.collectives.Group answers (size, index,
+while it waits at a collective. A `Member` answers the calls labkit.byhand.comm.Group answers (size, index,
 all_reduce, all_gather, reduce_scatter, stack_by_sum), without counting traffic."""
 from __future__ import annotations
 

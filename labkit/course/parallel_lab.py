@@ -1,8 +1,9 @@
-"""The parallel layouts' runs (labkit.training.layouts), launched once per worker count and shared by the notebook
-and the tests, and their comparison with the single-card reference.
+"""What only the notebooks need of the hand-written parallel layouts (labkit.byhand): their runs (labkit.byhand.runs),
+launched once per worker count and cached, shared by the notebooks and the tests, and their comparison with the
+single-card reference, the planner and the textbook.
 
-    runs = parallel_runs()            # cached under runs/parallel_lab while the code that made them is unchanged
-    table = compare(runs)             # per layout: loss and weight differences against their tolerance
+    root = parallel_runs()            # cached under runs/parallel_lab while the code that made them is unchanged
+    table = compare(root)             # per layout: loss and weight differences against their tolerance
 
 The tolerance comes from float32 rounding, measured in the same launch: the reference runs in float32 and in
 float64. A float32 run's rounding moves it from the exact result by about d = |float32 - float64| (the float64
@@ -20,19 +21,19 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.byhand import runs
+from labkit.byhand.comm import DIMENSIONS
+from labkit.byhand.runs import RankResult
+from labkit.byhand.worker import HandLayout
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch import workers as launch_workers
-from labkit.model import scratch
 from labkit.layout import Layout, OptimizerParallel
-from labkit.parallel.collectives import DIMENSIONS
+from labkit.model import scratch
 from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
 from labkit.paths import RUNS
 from labkit.sources import source_key, stamp, stamped
-from labkit.training import layouts
-from labkit.training.layouts import RankResult
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
-from labkit.training.sharded import HandLayout
 
 CACHE = RUNS / "parallel_lab"
 CPU = Numerics(amp_level="O0", flash_attention=False, fused_norm=False, fused_silu=False)  # how the layouts compute
@@ -43,7 +44,7 @@ DATA = ("data/corpus", "data/tokenizer")  # what ensure_dataset tokenises for th
 def launch_key(task: list[str], workers: int, env: dict | None = None) -> str:
     """The key (labkit.sources) of one launch's results: the worker module and the launcher with every labkit
     module they import, the shipped corpus and tokenizer, and the launch's own arguments and environment."""
-    return source_key(layouts.__name__, launch_workers.__name__, data=DATA,
+    return source_key(runs.__name__, launch_workers.__name__, data=DATA,
                       also=[json.dumps([task, workers, env or {}], sort_keys=True)])
 
 
@@ -53,17 +54,17 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
     if mode not in MODES:
         raise LabkitError(f"mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
     if mode != "cached":
-        ensure_dataset(layouts.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
+        ensure_dataset(runs.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
     root.mkdir(parents=True, exist_ok=True)
-    for workers in sorted(layouts.LAYOUTS):
-        _launch(mode, root / f"workers{workers}", ["worker"], workers, [lay.name for lay in layouts.LAYOUTS[workers]],
+    for workers in sorted(runs.LAYOUTS):
+        _launch(mode, root / f"workers{workers}", ["worker"], workers, [lay.name for lay in runs.LAYOUTS[workers]],
                 what=f"the {workers}-worker parallel layouts", timeout=timeout)
     return root
 
 
 def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: list[str], *, what: str,
             timeout: float, env: dict | None = None) -> None:
-    """One msrun launch of `python -m labkit.training.layouts TASK[0] folder TASK[1:]`, unless fresh results are
+    """One msrun launch of `python -m labkit.byhand.runs TASK[0] folder TASK[1:]`, unless fresh results are
     there (folder/DONE holds today's `launch_key`); done when every layout of `expected` has a result from each
     worker."""
     key, done = launch_key(task, workers, env), folder / "DONE"
@@ -80,22 +81,22 @@ def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: li
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         launch_workers.run_workers(
-            ["python", "-m", layouts.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
+            ["python", "-m", runs.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
             timeout=timeout, env=env,
             expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
         stamp(done, key)
 
 
 def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) -> Path:
-    """The activation-memory probe's launch (layouts.MEMORY_LAYOUTS side by side, MindSpore's pool statistics on),
+    """The activation-memory probe's launch (runs.MEMORY_LAYOUTS side by side, MindSpore's pool statistics on),
     cached like parallel_runs; returns its folder."""
     if mode not in MODES:
         raise LabkitError(f"mode '{mode}' is not known", f"use one of {', '.join(MODES)}")
     if mode != "cached":
-        ensure_dataset(layouts.MEMORY_SETTINGS["seq_len"], progress=False)
+        ensure_dataset(runs.MEMORY_SETTINGS["seq_len"], progress=False)
     folder = root / "memory"
     folder.mkdir(parents=True, exist_ok=True)
-    for lay in layouts.MEMORY_LAYOUTS:
+    for lay in runs.MEMORY_LAYOUTS:
         _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.workers, [lay.name],
                 what=f"the activation-memory probe of {lay.name}", timeout=timeout, env=POOL_STATS_ENV)
     return folder
@@ -106,7 +107,7 @@ import sys
 import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
-from labkit.parallel.collectives import differentiable
+from labkit.byhand.mappings import differentiable
 ms.set_context(mode=ms.PYNATIVE_MODE); ms.set_device("CPU")
 kind, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
@@ -133,7 +134,7 @@ ms.value_and_grad(loss, None, [w])(ms.Tensor(np.ones(n, np.float32)))
 
 def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
     """The memory pool's peak (MiB) of one forward and backward pass through `repeats` doublings of a `mib` MiB
-    tensor, each written as a Cell with a custom `bprop`, as `collectives.differentiable`, and as plain operators:
+    tensor, each written as a Cell with a custom `bprop`, as `mappings.differentiable`, and as plain operators:
     what each way keeps for the backward. One process per way (the pool's peak is printed when a process ends)."""
     import os
     import subprocess
@@ -150,12 +151,12 @@ def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
     return out
 
 
-def head_loss_count(lay, settings: dict = layouts.MEMORY_SETTINGS) -> float:
+def head_loss_count(lay, settings: dict = runs.MEMORY_SETTINGS) -> float:
     """The planner's bytes (float32, unfused norm as on CPU) of the final norm's, the logits' and the loss's tensors
     on one worker of `lay` (a HandLayout): the logits and the loss's copies of them split over tp when the head
     is vocabulary-parallel, whole on every worker when it is not."""
     mp = lay.tp if lay.tp > 1 and lay.vocab else 1
-    return loss_activations(layouts.model_cfg(settings), settings["seq_len"], settings["global_batch"], mp=mp,
+    return loss_activations(runs.model_cfg(settings), settings["seq_len"], settings["global_batch"], mp=mp,
                             act_bytes=4, fused_norm=False)
 
 
@@ -165,10 +166,10 @@ def activation_memory(folder: Path | None = None) -> dict:
     stores for the backward pass and of the head's and loss's tensors (`head_loss_count`), at the probe's sequence
     and batch."""
     folder = folder or memory_runs("cached")
-    s = layouts.MEMORY_SETTINGS
-    cfg = layouts.model_cfg(s)
+    s = runs.MEMORY_SETTINGS
+    cfg = runs.model_cfg(s)
     out = {"seq_len": s["seq_len"], "micro_batch": s["global_batch"], "layouts": {}}
-    for lay in layouts.MEMORY_LAYOUTS:
+    for lay in runs.MEMORY_LAYOUTS:
         launch = folder / lay.name
         rows = _ranks(launch / lay.name)
         peaks = [pool_peak_mb((launch / "logs" / f"worker_{r.rank}.log").read_text(errors="replace")) for r in rows]
@@ -201,7 +202,7 @@ def load(root: Path, name: str) -> list[RankResult]:
 def gathered(rows: list[RankResult]) -> dict:
     """The full model from a layout's workers: tensor-parallel slices joined, pipeline stages merged (the first
     data-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
-    of the weights, and gathers the full weights to save them (labkit.training.optimizer_parallel)."""
+    of the weights, and gathers the full weights to save them (labkit.byhand.optimizer_parallel)."""
     full, lay = {}, rows[0].layout
     replica = [r for r in rows if r.place.dp == 0]
     for name in {n for r in replica for n in r.weights}:
@@ -239,8 +240,8 @@ def compare(root: Path | None = None) -> dict:
     tol = tolerances(root)
     ref = load(root, "single_float32")[0]
     out = {}
-    for workers in sorted(layouts.LAYOUTS):
-        for lay in layouts.LAYOUTS[workers]:
+    for workers in sorted(runs.LAYOUTS):
+        for lay in runs.LAYOUTS[workers]:
             rows = load(root, lay.name)
             full = gathered(rows)
             last = rows[-1]  # the last stage's (or any worker's) losses: every worker reports the global loss
@@ -259,7 +260,7 @@ def planner_lines(lay: HandLayout, stage: str | None = None) -> dict:
     O0 census) for a layout, per stage. ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
     planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting. The optimizer-parallel layouts
     (opt_level) are MindSpore's levels: the planner's sharded lines, with the gathered weights."""
-    cfg = layouts.model_cfg()
+    cfg = runs.model_cfg()
     st = stage_weights(cfg, lay.pp)[stage or ("only" if lay.pp == 1 else "first")]
     level = lay.opt_level
     layout = Layout(dp=lay.dp, mp=lay.tp, pp=lay.pp, accum=lay.micro, optimizer_shard=bool(level),
@@ -274,7 +275,7 @@ def planner_lines(lay: HandLayout, stage: str | None = None) -> dict:
 def explained(lay: HandLayout) -> dict:
     """What the planner's lines leave out or count differently for this layout: {term: bytes the measurement holds
     more (+) or less (-) than the planner}, each for a stated cause."""
-    cfg = layouts.model_cfg()
+    cfg = runs.model_cfg()
     vocab_h = cfg.vocab_size * cfg.hidden_size
     out = {}
     cut = 4 * vocab_h * (1 - 1 / lay.tp)  # bytes of one vocabulary table a worker does not hold under tp
@@ -334,7 +335,7 @@ def against_planner(result: dict) -> list[dict]:
 MAIN_OPS = {dim: d.textbook for dim, d in DIMENSIONS.items() if d.textbook}
 
 
-def textbook_bytes(lay: HandLayout, settings: dict = layouts.SETTINGS) -> dict:
+def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS) -> dict:
     """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
     tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
     all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
@@ -343,7 +344,7 @@ def textbook_bytes(lay: HandLayout, settings: dict = layouts.SETTINGS) -> dict:
     once (level1) or every micro-step (level2/3)); pipeline b·s·h per micro-batch
     per boundary, forward from stage 0, backward from stage 1; the vocabulary-parallel embedding and head an
     all-reduce of b·s·h each way and the loss's two small collectives over b·s tokens."""
-    cfg = layouts.model_cfg(settings)
+    cfg = runs.model_cfg(settings)
     s, h, L, g = settings["seq_len"], cfg.hidden_size, cfg.num_layers, settings["global_batch"]
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
     act = g // lay.dp * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
@@ -375,7 +376,7 @@ def _split_bytes(cfg, lay: HandLayout) -> int:
     return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items() if shard.splits(k))
 
 
-def comm_rows(result: dict, settings: dict = layouts.SETTINGS) -> list[dict]:
+def comm_rows(result: dict, settings: dict = runs.SETTINGS) -> list[dict]:
     """Per layout, worker and dimension, bytes sent per step: the textbook's, as counted at the collectives (what
     the real operation sends, and what its CPU stand-in sent), and what the process read and wrote (/proc/self/io:
     every collective of the step, both directions)."""

@@ -1,7 +1,7 @@
 """The pipeline schedules simulated: GPipe and 1F1B timelines for p stages and m micro-batches, their idle share
 (the bubble, (p - 1) / m: Narayanan et al. 2021, section 2.2) and the micro-batches each stage holds at its peak.
 
-The lab's real 2-stage pipeline (labkit.training.pipeline) runs the same per-stage order of forwards and
+The lab's real 2-stage pipeline (labkit.byhand.pipeline_parallel) runs the same per-stage order of forwards and
 backwards (tests/test_pipeline_sim.py checks it); this simulation draws any p and m with chosen pass times."""
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.byhand.comm import io_bytes
 from labkit.config import ModelConfig, ParallelConfig, model_preset
 from labkit.errors import LabkitError, LabkitFailure
 from labkit.io import atomic_write_text
@@ -15,7 +16,6 @@ from labkit.launch.supervisor import POLL_S, Supervisor, log_tail
 from labkit.launch.validate import CLUSTER_ENV, free_port, python_on_path
 from labkit.model.shapes import grad_shapes
 from labkit.parallel import context as parallel
-from labkit.parallel.collectives import io_bytes
 from labkit.parallel.msrun import NO_TAIL, Cluster, msrun_args, msrun_head
 from labkit.paths import RUNS
 

@@ -12,8 +12,8 @@ with n(x) = x / sqrt(mean(x²) + eps) * g (RMSNorm) and rope the rotate-half rot
 
 One worker may hold a part of it (`Shard`): a range of layers (a pipeline stage), and 1/tp of every attention head
 group and FFN column (tensor parallel: wq/wk/wv and w1/w3 by output rows, wo and w2 by input columns). Where the
-parts meet, the forward calls four hooks; on one card they are the identity, and the parallel layer supplies the
-collectives (`labkit.parallel.collectives`):
+parts meet, the forward calls four hooks; on one card they are the identity, and labkit.byhand.tensor_parallel
+supplies the collectives with their backward (labkit.byhand.mappings):
 
     block_in(h)   before a tensor-parallel block     TP: identity, backward all-reduce  SP: all-gather the sequence
     block_out(o)  after it (partial sums)            TP: all-reduce, backward identity  SP: reduce-scatter it
@@ -27,7 +27,7 @@ the parts:
 
     embed_sum(e)            the masked partial lookups       forward all-reduce, backward identity
     head_in(h)              before the head's matmul          forward identity, backward all-reduce
-    cross_entropy(z, y)     the loss from logit slices        labkit.parallel.collectives.vocab_parallel_cross_entropy
+    cross_entropy(z, y)     the loss from logit slices        labkit.byhand.tensor_parallel.vocab_parallel_cross_entropy
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from labkit.config import load_run_config
 from labkit.course import nb
 from labkit.course.pretrain.follow import figure_png
-from labkit.course.pretrain.layouts import estimate
 from labkit.course.pretrain.outputs import NODE0_ONLY, commands, mindformers_yaml, write_configs
 from labkit.course.pretrain.params import SEED_AS_WRITTEN
+from labkit.course.pretrain.planner_view import estimate
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.errors import LabkitError
 from labkit.layout import Layout

@@ -26,18 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.config import RunConfig, coerce, load, load_run_config, set_value, to_dict
-from labkit.course.pretrain.layouts import divisors, estimate, shortfall, split_batch
 from labkit.course.pretrain.params import DEFAULTS, DEVICE_FOR_TARGET, PARAMETERS, PARAMS, PRESETS
+from labkit.course.pretrain.planner_view import divisors, estimate, shortfall, split_batch
 from labkit.course.runner import CALLER_ENV
 from labkit.errors import LabkitError
 from labkit.layout import Layout
 from labkit.model.llama import backend_flags
 from labkit.model.shapes import num_params
 from labkit.parallel import planner
-from labkit.parallel.planner import FIT_MARGIN_GIB
 from labkit.parallel.devices import GIB, device_preset
 from labkit.parallel.memory import Numerics
-from labkit.parallel.planner import Machine
+from labkit.parallel.planner import FIT_MARGIN_GIB, Machine
 from labkit.paths import RUNS, lab_path
 from labkit.runtime import prepare_process
 from labkit.training import checkpoint, run_dir

@@ -1,13 +1,13 @@
-"""The collectives' names (labkit.parallel.collectives.Op): each in exactly one dimension of `DIMENSIONS`, the
+"""The collectives' names (labkit.byhand.comm.Op): each in exactly one dimension of `DIMENSIONS`, the
 grouping the comparison with the textbook reads, and `Traffic` refuses any other name instead of counting a row
 the comparison would drop."""
 from __future__ import annotations
 
 import pytest
 
+from labkit.byhand.comm import DIMENSIONS, Op, Sent, Traffic
 from labkit.course import parallel_lab
 from labkit.errors import LabkitError
-from labkit.parallel.collectives import DIMENSIONS, Op, Sent, Traffic
 
 
 def test_every_name_is_in_exactly_one_dimension():

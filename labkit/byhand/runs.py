@@ -1,10 +1,10 @@
 """Every parallel layout of the course, trained for a few steps in one msrun launch per worker count, and the
 single-card reference they must equal.
 
-    msrun --worker_num=2 ... python -m labkit.training.layouts worker OUT   (every layout of 2 workers in turn,
+    msrun --worker_num=2 ... python -m labkit.byhand.runs worker OUT      (every layout of 2 workers in turn,
                                                        then the references: float32 on rank 0, float64 on 1)
-    python -m labkit.training.layouts reference OUT --dtype float64       (a reference alone)
-    msrun --worker_num=2 ... python -m labkit.training.layouts memory OUT --only sp2   (one step at seq 256, a
+    python -m labkit.byhand.runs reference OUT --dtype float64          (a reference alone)
+    msrun --worker_num=2 ... python -m labkit.byhand.runs memory OUT --only sp2      (one step at seq 256, a
                                                        launch per layout: a process's pool peak is its layout's)
 
 Started as a module, never as a script: a script's folder goes first on the import path, and this folder's
@@ -29,17 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.byhand.comm import Group, Op, Sent, Traffic, io_bytes, make_group, op_named
+from labkit.byhand.optimizer_parallel import OptimizerParallel
+from labkit.byhand.pipeline_parallel import StageStep, pipeline_step
+from labkit.byhand.worker import HandLayout, Held, Place, Worker
 from labkit.config import TrainConfig, model_preset
 from labkit.data.dataset import ensure_dataset
 from labkit.data.loader import make_loader
 from labkit.errors import LabkitError
 from labkit.io import atomic_write_text
 from labkit.model import scratch
-from labkit.parallel.collectives import Group, Op, Sent, Traffic, io_bytes, make_group, op_named
 from labkit.runtime import prepare_process
-from labkit.training.optimizer_parallel import OptimizerParallel
-from labkit.training.pipeline import StageStep, pipeline_step
-from labkit.training.sharded import HandLayout, Held, Place, Worker
 
 LAYOUTS = {
     2: [HandLayout("dp2", dp=2), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
@@ -184,7 +184,7 @@ def _context():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m labkit.training.layouts")
+    ap = argparse.ArgumentParser(prog="python -m labkit.byhand.runs")
     ap.add_argument("what", choices=("worker", "reference", "memory"))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel embedding and cross-entropy (labkit.parallel.collectives, labkit.model.scratch) in one
+"""The vocabulary-parallel embedding and cross-entropy (labkit.byhand.tensor_parallel, labkit.model.scratch) in one
 process: t workers are t threads whose collectives meet at a barrier (one thread computes at a time: MindSpore's
 eager executor is not safe for concurrent callers), each holding its vocabulary slice; their loss
 and logit gradients must be the plain cross-entropy's on the whole vocabulary, their summed lookups the whole
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from labkit.byhand import comm, tensor_parallel
 from labkit.config import model_preset
 from labkit.errors import LabkitError
 from labkit.model import scratch
-from labkit.parallel import collectives
 
 sys.path.insert(0, str(Path(__file__).parent))
 from thread_group import Threads  # noqa: E402
@@ -50,8 +50,9 @@ def test_cross_entropy_from_slices_is_the_whole_vocabularys(ms, t):
     k = v // t
 
     def worker(g):
-        ce, saved = collectives.ce_forward(ms.Tensor(logits[:, g.index * k:(g.index + 1) * k]), ms.Tensor(labels), g)
-        return ce.asnumpy(), collectives.ce_backward(saved, ms.Tensor(dce)).asnumpy()
+        mine = ms.Tensor(logits[:, g.index * k:(g.index + 1) * k])
+        ce, saved = tensor_parallel.ce_forward(mine, ms.Tensor(labels), g)
+        return ce.asnumpy(), tensor_parallel.ce_backward(saved, ms.Tensor(dce)).asnumpy()
 
     out = Threads(t).run(worker)
     for ce, _ in out:
@@ -67,7 +68,7 @@ def test_the_differentiable_loss_on_one_card_is_the_plain_one(ms):
     logits = rng.standard_normal((6, 16)).astype(np.float32)
     labels = rng.integers(0, 16, 6).astype(np.int32)
     want_ce, want_grad = _plain(ms, logits, labels)
-    f = collectives.vocab_parallel_cross_entropy(collectives.Group("none", 1, 0))
+    f = tensor_parallel.vocab_parallel_cross_entropy(comm.Group("none", 1, 0))
     weight = ms.Tensor(np.arange(1, 7, dtype=np.float32))
     got = ms.grad(lambda z: (f(z, ms.Tensor(labels)) * weight).sum())(ms.Tensor(logits))
     np.testing.assert_allclose(f(ms.Tensor(logits), ms.Tensor(labels)).asnumpy(), want_ce, rtol=2e-6, atol=2e-6)
@@ -115,13 +116,13 @@ def test_the_head_and_loss_count_follows_the_vocabulary_split():
     """The probe's count of the head's and loss's tensors per worker: the vocabulary-sized copies (the planner's
     LOSS_FP32_COPIES float32 logits) halve on a tp2 worker whose head is vocabulary-parallel; the final norm's do
     not; with the head whole every worker counts them all."""
+    from labkit.byhand import runs
     from labkit.course import parallel_lab
     from labkit.parallel.memory import LOSS_FP32_COPIES
-    from labkit.training import layouts
 
-    s = layouts.MEMORY_SETTINGS
-    logits = s["global_batch"] * s["seq_len"] * layouts.model_cfg(s).vocab_size * 4
-    by = {lay.name: parallel_lab.head_loss_count(lay) for lay in layouts.MEMORY_LAYOUTS}
+    s = runs.MEMORY_SETTINGS
+    logits = s["global_batch"] * s["seq_len"] * runs.model_cfg(s).vocab_size * 4
+    by = {lay.name: parallel_lab.head_loss_count(lay) for lay in runs.MEMORY_LAYOUTS}
     assert by["single"] - by["tp2"] == LOSS_FP32_COPIES * logits / 2
     assert by["sp2"] == by["tp2"] and by["tp2_whole_vocab"] == by["single"]
     assert by["single"] / 2**20 == 136  # 4 logits copies of 32 MiB + the final norm's 8 MiB, at seq 256, batch 8

@@ -1,4 +1,5 @@
-"""Data parallel for real (msrun, 2 CPU workers): every process ends on an interrupt, a dead launcher, a timeout.
+"""The launcher (labkit.launch) with data parallel for real (msrun, 2 CPU workers): every process ends on an
+interrupt, a dead launcher, a timeout.
 
 The equivalences (2 workers x b == 1 worker x 2b, killed + resumed == uninterrupted) are asserted by
 notebooks/05_data_parallel.ipynb, which `make test` executes under nbval in the same session; running them here

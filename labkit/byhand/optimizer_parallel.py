@@ -10,9 +10,9 @@ weights, optimizer state, and gradients. When optimizer_level= level3, splitting
 optimizer state, gradients, additionally, before the backward pass, the weights are further applied with allgather
 communication to release the memory used by the forward pass allgather. ... Default: level1."
 
-Unlike the lab's ZeRO-1/2 (labkit.training.sharded: full weights on every worker, moments and gradients sharded),
+Unlike the lab's ZeRO-1/2 (labkit.byhand.data_parallel: full weights on every worker, moments and gradients sharded),
 the weights themselves are sharded. The weights are cut in units (`units`: the embedding, each decoder layer, the
-final norm with the head), each a flat buffer padded to a multiple of dp (`sharded.Buckets`); a worker holds its
+final norm with the head), each a flat buffer padded to a multiple of dp (`data_parallel.Buckets`); a worker holds its
 1/dp slice of every unit. One optimizer step of m micro-batches:
 
     level1  per micro-batch: all-gather every unit (float32, the compute dtype here), forward and backward with the
@@ -24,8 +24,8 @@ final norm with the head), each a flat buffer padded to a multiple of dp (`shard
             by unit (gather, compute, release; only each unit's input is kept), the backward gathers each unit again
             and recomputes it under `ms.vjp` for its input and weight gradients (full recompute, one unit at a time)
 
-then the clipped AdamW update of the slice (`sharded.FlatAdamW`, ZeRO's too). Only the updated slice is kept:
-the next forward gathers. A reduce-scatter is the CPU stand-in (all-reduce + slice, labkit.parallel.collectives).
+then the clipped AdamW update of the slice (`data_parallel.FlatAdamW`, ZeRO's too). Only the updated slice is kept:
+the next forward gathers. A reduce-scatter is the CPU stand-in (all-reduce + slice, labkit.byhand.comm).
 
 Gathered weights are counted when they are alive: `gathered` adds a gathered unit's bytes and a finalizer takes
 them off when Python frees the tensor (the code drops them when its unit is done), so the peak is what this
@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import weakref
 
+from labkit.byhand.comm import Op, nbytes, sum_over
+from labkit.byhand.data_parallel import Buckets, FlatAdamW
+from labkit.byhand.worker import Held, Worker
 from labkit.model import scratch
-from labkit.parallel.collectives import Op, nbytes
-from labkit.training.sharded import Buckets, FlatAdamW, Held, Worker, sum_over
 
 
 def units(cfg) -> list[list[str]]:

@@ -24,9 +24,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+from labkit.byhand.comm import Op, sum_over
 from labkit.model import scratch
-from labkit.parallel.collectives import Op
-from labkit.training.sharded import sum_over
 
 
 class StageStep(NamedTuple):
@@ -61,7 +60,7 @@ def transfers(program: list) -> list[tuple[str, int]]:
 
 
 def pipeline_step(w, micro_batches: list) -> dict:
-    """One optimizer step of worker `w` (labkit.training.sharded.Worker) as a pipeline stage: its loss and
+    """One optimizer step of worker `w` (labkit.byhand.worker.Worker) as a pipeline stage: its loss and
     gradient norm, and under "stage" its `StageStep`."""
     import mindspore as ms
     from mindspore import ops

@@ -1,18 +1,11 @@
-"""The collectives a hand-written parallel layout needs, each with its backward, from what MindSpore's CPU backend
-runs (2.9: AllReduce, AllGather and Broadcast; Broadcast only on the world group; no ReduceScatter, no Send/Receive).
+"""The communication of the hand-written layouts (labkit.byhand): a `Group` of workers and its collectives, from
+what MindSpore's CPU backend runs (2.9: AllReduce, AllGather and Broadcast; Broadcast only on the world group; no
+ReduceScatter, no Send/Receive), each counted in `Traffic` under its name (`Op`). The differentiable operations
+built on them (each collective with its backward) are labkit.byhand.mappings.
 
-    copy_in      forward identity,                  backward all-reduce      (Megatron's f: enter a TP block)
-    reduce_out   forward all-reduce,                backward identity        (Megatron's g: leave a TP block)
-    gather_seq   forward all-gather of the sequence, backward reduce-scatter (SP: enter a TP block)
-    scatter_seq  forward reduce-scatter,            backward all-gather      (SP: leave a TP block)
-    split_seq    forward keep my sequence chunk,    backward all-gather      (SP: after the embedding)
-    unsplit_seq  forward all-gather of the sequence, backward keep my chunk  (SP: before a replicated head)
-
-and, for a vocabulary-parallel embedding and head (`VocabParallel`): the partial lookups' all-reduce, the head
-input's f, and the cross-entropy from logit slices (`vocab_parallel_cross_entropy`). The CPU backend's AllReduce
-sums only ("AllReduce only support reduce sum on CPU, but got max") and its AllGather runs on the world group only:
-the rows' maximum is the maximum over every worker's row maxima, gathered as a sum in which each worker fills its
-own slot of a [t, n] tensor of zeros (`stack_by_sum`: exact, the same value an all-reduce MAX gives).
+The CPU backend's AllReduce sums only ("AllReduce only support reduce sum on CPU, but got max") and its AllGather
+runs on the world group only: `Group.stack_by_sum` gathers on any group as a sum in which each worker fills its
+own slot of a [size, ...] tensor of zeros (exact, the same value an all-gather gives).
 
 A reduce-scatter is an all-reduce followed by keeping one's own slice (the CPU backend has no ReduceScatter): the
 same result, but every worker holds the whole tensor for a moment and the wire carries an all-reduce's bytes.
@@ -27,15 +20,11 @@ textbook groups by); `Traffic` refuses any other name."""
 from __future__ import annotations
 
 import enum
-import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from labkit.errors import LabkitError
-from labkit.model.scratch import Hooks
-
-SEQ = 1  # the sequence axis of [batch, seq, hidden]
 
 
 class Op(enum.StrEnum):
@@ -98,7 +87,7 @@ def op_named(name: str, where: str = "") -> Op:
         return Op(name)
     except ValueError:
         raise LabkitError(f"'{name}'{' in ' + where if where else ''} is not a collective the lab records",
-                          "add it to labkit.parallel.collectives.Op and to its dimension in DIMENSIONS") from None
+                          "add it to labkit.byhand.comm.Op and to its dimension in DIMENSIONS") from None
 
 
 class Sent(NamedTuple):
@@ -229,147 +218,6 @@ def chunk(x, axis: int, parts: int, index: int):
     return x[tuple(sl)]
 
 
-PROTOCOL = ("forward", "backward", "apply", "save_for_backward")  # what `differentiable` uses of _Function
-
-
-@functools.cache
-def function_base():
-    """MindSpore's private `mindspore.common._Function` (2.9: PyTorch's autograd.Function protocol: static
-    forward(ctx, *inputs) and backward(ctx, *grads), `apply`, ctx.save_for_backward / saved_tensors), checked once
-    per process; a LabkitError naming the MindSpore version and what changed when it is gone or differs."""
-    import mindspore
-    import mindspore.common
-
-    base = getattr(mindspore.common, "_Function", None)
-    fix = ("labkit.parallel.collectives.differentiable is built on it: pin mindspore==2.9.* (pyproject.toml), "
-           "or port `differentiable` to what replaced it")
-    if not isinstance(base, type):
-        raise LabkitError(f"MindSpore {mindspore.__version__} has no class mindspore.common._Function", fix)
-    missing = [name for name in PROTOCOL if not callable(getattr(base, name, None))]
-    if missing:
-        raise LabkitError(f"MindSpore {mindspore.__version__}'s mindspore.common._Function lacks "
-                          f"{', '.join(missing)} (2.9's has {', '.join(PROTOCOL)})", fix)
-    return base
-
-
-def differentiable(forward, backward, saves: bool = False):
-    """A differentiable operation from its forward and hand-written backward: the one subclass of MindSpore's
-    `_Function` (`function_base`), made once per pair; returns its `apply`.
-
-    Plain: forward(x) -> y, backward(dy) -> dx, and nothing of the forward is kept for the backward. With `saves`:
-    forward(x, *more) -> (y, tensors to keep), backward(kept, dy) -> dx; `more` (labels, say) gets no gradient.
-
-    A `Cell` with a custom `bprop` would do, but MindSpore keeps the cell's input and output alive until its
-    backward runs, even when `bprop` reads neither (labkit.course.parallel_lab.backward_retention measures it;
-    with such cells the hand-written tp2 and sp2 held 26 and 33 MiB more per worker at seq 256). MindSpore 2.9's
-    `_Function` (the PyTorch-style autograd function its own recompute is built on, PyNative only) keeps only what
-    `ctx.save_for_backward` is given."""
-
-    class Function(function_base()):  # not `Op`: that name is the module's traffic names
-        @staticmethod
-        def forward(ctx, x, *more):
-            ctx.more = len(more)
-            if not saves:
-                return forward(x, *more)
-            y, kept = forward(x, *more)
-            ctx.save_for_backward(*kept)
-            return y
-
-        @staticmethod
-        def backward(ctx, dout):
-            dx = backward(ctx.saved_tensors, dout) if saves else backward(dout)
-            return (dx, *[None] * ctx.more) if ctx.more else dx  # one gradient per input; none for `more`
-
-    return Function.apply
-
-
-def cells(group: Group) -> dict:
-    """The six differentiable operations of the module docstring, each a forward and a hand-written backward
-    (autodiff cannot differentiate AllGather on CPU: its backward would be a ReduceScatter)."""
-    return {
-        "copy_in": differentiable(lambda x: x, lambda d: group.all_reduce(d, Op.TP_ALL_REDUCE_BWD)),
-        "reduce_out": differentiable(lambda x: group.all_reduce(x, Op.TP_ALL_REDUCE_FWD), lambda d: d),
-        "gather_seq": differentiable(lambda x: group.all_gather(x, SEQ, Op.SP_ALL_GATHER_FWD),
-                                     lambda d: group.reduce_scatter(d, SEQ, Op.SP_REDUCE_SCATTER_BWD)),
-        "scatter_seq": differentiable(lambda x: group.reduce_scatter(x, SEQ, Op.SP_REDUCE_SCATTER_FWD),
-                                      lambda d: group.all_gather(d, SEQ, Op.SP_ALL_GATHER_BWD)),
-        "split_seq": differentiable(lambda x: chunk(x, SEQ, group.size, group.index),
-                                    lambda d: group.all_gather(d, SEQ, Op.SP_SPLIT_BWD)),
-        "unsplit_seq": differentiable(lambda x: group.all_gather(x, SEQ, Op.SP_UNSPLIT_FWD),
-                                      lambda d: chunk(d, SEQ, group.size, group.index)),
-    }
-
-
-def ce_forward(logits, labels, group: Group):
-    """Per-token cross-entropy [n] from this worker's logit slice [n, V/t] (vocabulary rows [r·V/t, (r+1)·V/t) of
-    group index r) and the labels [n], and what its backward needs (softmax slice, label column, owned mask).
-
-        m = max over every worker's slice (a constant for the gradient: any shift common to the row is exact)
-        loss = log(sum_all exp(z - m)) - (z_label - m)     z_label from the worker that owns the label's row
-    Two collectives: the row maxima of every worker ([t, n], `Group.stack_by_sum`), one all-reduce of [2, n] (the
-    owner's target logit, zero elsewhere, and the slice's sum of exponentials)."""
-    from mindspore import ops
-
-    part = logits.shape[-1]
-    top = ops.amax(group.stack_by_sum(ops.amax(logits, -1), Op.VOCAB_MAX_ALL_GATHER), 0)
-    z = logits - ops.expand_dims(top, -1)
-    local = labels - group.index * part
-    owned = ops.logical_and(local >= 0, local < part)
-    local = ops.where(owned, local, ops.zeros_like(local))
-    target = ops.squeeze(ops.gather_elements(z, 1, ops.expand_dims(local, -1)), -1) * owned.astype(z.dtype)
-    e = ops.exp(z)
-    both = group.all_reduce(ops.stack([target, ops.sum(e, -1)]), Op.VOCAB_CE_ALL_REDUCE)
-    return ops.log(both[1]) - both[0], (e / ops.expand_dims(both[1], -1), local, owned)
-
-
-def ce_backward(saved, dce):
-    """The gradient of the logit slice: (softmax - one-hot of the label where this worker owns it) · dloss."""
-    from mindspore import ops
-
-    softmax, local, owned = saved
-    hot = ops.one_hot(local, softmax.shape[-1], 1.0, 0.0).astype(softmax.dtype)
-    return (softmax - hot * ops.expand_dims(owned.astype(softmax.dtype), -1)) * ops.expand_dims(dce, -1)
-
-
-def vocab_parallel_cross_entropy(group: Group):
-    """f(logits [n, V/t], labels [n]) -> per-token cross-entropy [n], differentiable in the logits (Megatron-LM's
-    vocab_parallel_cross_entropy): the forward keeps the softmax slice for the backward, nothing else."""
-    return differentiable(lambda logits, labels: ce_forward(logits, labels, group), ce_backward, saves=True)
-
-
-class VocabParallel(Hooks):
-    """The vocabulary hooks of a tensor-parallel group, the other hooks one card's (scratch.Hooks): `vocab` = True
-    splits the embedding and the head by vocabulary rows (Megatron's VocabParallelEmbedding and
-    vocab_parallel_cross_entropy), False keeps both whole on every worker."""
-
-    def _vocab(self, group: Group, vocab: bool) -> None:
-        if not vocab:
-            return
-        self.embed_sum = differentiable(lambda x: group.all_reduce(x, Op.VOCAB_EMBED_ALL_REDUCE_FWD), lambda d: d)
-        self.head_in = differentiable(lambda x: x, lambda d: group.all_reduce(d, Op.VOCAB_HEAD_ALL_REDUCE_BWD))
-        self.cross_entropy = vocab_parallel_cross_entropy(group)
-
-
-class TensorParallel(VocabParallel):
-    """The model's hooks (labkit.model.scratch.Hooks) for Megatron tensor parallelism over `group`."""
-
-    def __init__(self, group: Group, vocab: bool = True):
-        c = cells(group)
-        self.block_in, self.block_out = c["copy_in"], c["reduce_out"]
-        self._vocab(group, vocab)
-
-
-class SequenceParallel(VocabParallel):
-    """The hooks for tensor + sequence parallelism (Korthikanti et al. 2022): the residual stream and the norms are
-    split along the sequence; all-gather before each TP block, reduce-scatter after it."""
-
-    def __init__(self, group: Group, vocab: bool = True):
-        c = cells(group)
-        self.block_in, self.block_out = c["gather_seq"], c["scatter_seq"]
-        self.seq_in, self.seq_out = c["split_seq"], c["unsplit_seq"]
-        self._vocab(group, vocab)
-
-
 def make_group(ranks, rank: int, world_size: int, traffic: Traffic | None = None) -> Group:
     """The Group of `ranks` (this worker among them); the whole job is MindSpore's world group, any other set is
     created (every member calls this with the same ranks)."""
@@ -385,3 +233,12 @@ def make_group(ranks, rank: int, world_size: int, traffic: Traffic | None = None
         if len(ranks) > 1:
             create_group(name, list(ranks))
     return Group(name, len(ranks), ranks.index(rank), ranks, traffic if traffic is not None else Traffic())
+
+
+def sum_over(group: Group, value: float, name: Op) -> float:
+    """A number summed over the group's workers (in float32: the CPU backend's AllReduce has no float64)."""
+    import mindspore as ms
+
+    if group.size == 1:
+        return value
+    return float(group.all_reduce(ms.Tensor(value, ms.float32), name).asnumpy())

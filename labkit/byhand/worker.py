@@ -1,0 +1,186 @@
+"""Training the hand-written Llama (labkit.model.scratch) with every parallel dimension done by hand, on msrun CPU
+workers, with the trainer's step: the token-mean cross-entropy, global-norm clipping, AdamW with weight decay on the
+matrices, the warmup-cosine schedule.
+
+A `HandLayout` places rank = (dp_index * pp + pp_index) * tp + tp_index (tensor parallel innermost, as Megatron does).
+One optimizer step, whatever the layout:
+
+    1. read this worker's part of the global batch (the loader's order contract: every layout sees the same samples)
+    2. loss = (sum of token cross-entropies) / (tokens in the global batch): summing the workers' gradients of it
+       gives the gradient of the global loss exactly, whatever the split
+    3. forward and backward; TP/SP collectives run inside the model (labkit.byhand.tensor_parallel)
+    4. synchronise gradients: data parallel sums them over dp (ZeRO: reduce-scatter, each keeps its shard);
+       sequence parallel sums the norms' gradients over tp (each worker saw its part of the sequence)
+    5. global norm = sqrt of the squares summed once per element (tp-split, stage, ZeRO shards add up; replicated
+       copies count once), clip factor min(clip / (norm + 1e-6), 1)
+    6. AdamW on what this worker owns; ZeRO all-gathers the updated parameter shards
+Steps 4-6 (and how micro-batches' gradients add up) are the worker's optimizer, one object per kind
+(labkit.byhand.data_parallel): `AdamW` (every moment whole), `ZeRO1` and `ZeRO2` (AdamW on this worker's slice of
+one flat buffer, `FlatAdamW`, which optimizer parallel shares); each reads the run's TrainConfig (lr, schedule,
+AdamW, clipping) as it is. Pipeline layouts run `labkit.byhand.pipeline_parallel` for step 3; MindSpore's optimizer
+parallel (a worker that keeps only its 1/dp slice of the weights) is `labkit.byhand.optimizer_parallel`."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from labkit.byhand.comm import Op, nbytes, sum_over
+from labkit.byhand.data_parallel import AdamW, ZeRO1, ZeRO2
+from labkit.byhand.tensor_parallel import SequenceParallel, TensorParallel
+from labkit.config import ModelConfig, TrainConfig
+from labkit.errors import LabkitError
+from labkit.model import scratch
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank sits in its layout's grid: its data-parallel, pipeline-stage and tensor-parallel index, and
+    how many stages there are (to name its stage)."""
+    dp: int
+    pp: int
+    tp: int
+    stages: int = 1
+
+    @property
+    def stage(self) -> str:
+        """The stage's name in the planner's words (labkit.parallel.memory.stage_weights): only, first or last."""
+        return "only" if self.stages == 1 else "first" if self.pp == 0 else "last"
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes a worker keeps (`Worker.bytes_held`), per term of the planner's lines: parameters, gradients (as kept
+    until the update), AdamW states, and for optimizer parallel the peak of gathered weights (None elsewhere)."""
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int | None = None
+
+    def terms(self) -> dict[str, int]:
+        """The terms this worker has, by name (no "gathered" but for optimizer parallel)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class HandLayout:
+    """How one hand-written run spreads over its workers. labkit.layout.Layout describes what a config asks the
+    framework (mindformers' parallel_config) to do; this one is what the lab itself runs on CPU workers."""
+
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    vocab: bool = True  # with tp > 1: the embedding and the head split by vocabulary rows (False: whole on each)
+    zero: int = 0  # 0: every worker keeps all optimizer states; 1: states sharded over dp; 2: gradients too
+    opt_level: int = 0  # MindSpore's optimizer parallel (optimizer_level level1-3): weights sharded too; 0: off
+    micro: int = 1  # micro-batches per step: pipeline micro-batches, or accumulation steps elsewhere
+    schedule: str = "1f1b"  # pipeline schedule
+
+    @property
+    def workers(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def place(self, rank: int) -> Place:
+        return Place(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp, self.pp)
+
+    def check(self, cfg: ModelConfig, global_batch: int) -> None:
+        where = f"layout '{self.name}'"
+        if self.sp and self.tp < 2:
+            raise LabkitError(f"{where}: sequence parallel needs tp >= 2")
+        if self.zero and self.opt_level:
+            raise LabkitError(f"{where}: zero and opt_level are two ways of sharding over dp",
+                              "choose one: zero (Megatron/DeepSpeed's ZeRO) or opt_level (MindSpore's optimizer "
+                              "parallel)")
+        if (self.zero or self.opt_level) and (self.tp > 1 or self.pp > 1):
+            kind = "ZeRO" if self.zero else "optimizer parallel"
+            raise LabkitError(f"{where}: {kind} is written here for pure data parallel",
+                              f"use tp = pp = 1 with {'zero' if self.zero else 'opt_level'}")
+        if self.zero not in (0, 1, 2) or self.opt_level not in (0, 1, 2, 3) or self.schedule not in SCHEDULES:
+            raise LabkitError(f"{where}: zero must be 0, 1 or 2, opt_level 0 to 3 and schedule one of "
+                              f"{', '.join(SCHEDULES)}")
+        if self.pp not in (1, 2):
+            raise LabkitError(f"{where}: pipeline stages are written for pp = 2", "use pp 1 or 2")
+        if self.pp > 1 and (self.dp > 1 or self.tp > 1):
+            raise LabkitError(f"{where}: the pipeline here runs alone (pp x dp or pp x tp is not written)")
+        if self.pp > cfg.num_layers:
+            raise LabkitError(f"{where}: {self.pp} stages for {cfg.num_layers} layers")
+        if global_batch % (self.dp * self.micro):
+            raise LabkitError(f"{where}: global batch {global_batch} does not split into dp {self.dp} x "
+                              f"micro {self.micro}")
+
+
+def stage_shard(cfg: ModelConfig, layout: HandLayout, rank: int) -> scratch.Shard:
+    place = layout.place(rank)
+    per = math.ceil(cfg.num_layers / layout.pp)
+    return scratch.Shard(first_layer=place.pp * per, end_layer=min(cfg.num_layers, (place.pp + 1) * per),
+                         tp_size=layout.tp, tp_rank=place.tp, vocab_parallel=layout.vocab and layout.tp > 1)
+
+
+class Worker:
+    """One worker's parameters, optimizer (`optimizer`: AdamW, ZeRO1 or ZeRO2 by layout.zero) and groups for a
+    layout (all but the pipeline's step); `train` is the run's TrainConfig (lr, schedule, AdamW, clipping)."""
+
+    OPTIMIZERS = {0: AdamW, 1: ZeRO1, 2: ZeRO2}  # by layout.zero
+
+    def __init__(self, cfg: ModelConfig, layout: HandLayout, full: dict, rank: int, groups: dict,
+                 train: TrainConfig, dtype=np.float32):
+        self.cfg, self.layout, self.rank, self.groups, self.train, self.dtype = cfg, layout, rank, groups, train, dtype
+        self.shard = stage_shard(cfg, layout, rank)
+        self.params = scratch.parameters(full, cfg, self.shard, dtype)
+        self.names = list(self.params)
+        tp = groups["tp"]
+        self.hooks = ((SequenceParallel if layout.sp else TensorParallel)(tp, layout.vocab) if layout.tp > 1
+                      else scratch.Hooks())
+        self.decay = {n: (train.weight_decay if len(self.params[n].shape) > 1 else 0.0) for n in self.names}
+        self.optimizer = self.make_optimizer()
+
+    def make_optimizer(self):
+        return self.OPTIMIZERS[self.layout.zero](self)
+
+    # which parameters are split over tp (their square sums add over tp) and which the SP norms are
+    def tp_split(self, name: str) -> bool:
+        return self.shard.splits(name)
+
+    def sp_partial(self, name: str) -> bool:
+        return self.layout.sp and name.endswith(("attention_norm.weight", "ffn_norm.weight"))
+
+    def loss(self, params: dict, tokens, labels, mask, count):
+        """This micro-batch's share of the global loss: its summed token cross-entropies over the global count."""
+        out = scratch.stage(params, tokens, mask, self.cfg, self.shard, self.hooks)
+        return scratch.loss_terms(out, labels, mask, self.hooks)[0] / count
+
+    def batch(self, micro_batches: list) -> tuple[list, object]:
+        """(inputs, labels, mask) per micro-batch (token ids [b, s+1] each) and the tokens of the global batch."""
+        import mindspore as ms
+
+        parts = [scratch.split_batch(ids, self.cfg.pad_token_id) for ids in micro_batches]
+        count = ms.Tensor(sum(float(m.asnumpy().sum()) for _, _, m in parts), ms.float32)
+        return parts, self.groups["dp"].all_reduce(count, Op.COUNT)
+
+    def train_step(self, micro_batches: list) -> dict:
+        """One optimizer step over this worker's micro-batches (token ids [b, s+1] each); returns loss and norm."""
+        import mindspore as ms
+
+        parts, count = self.batch(micro_batches)
+        weights = [self.params[n] for n in self.names]
+        acc, loss = None, 0.0
+        for tokens, labels, mask in parts:
+            value, grads = ms.value_and_grad(lambda: self.loss(self.params, tokens, labels, mask, count), None,
+                                             weights)()
+            loss += float(value.asnumpy())
+            acc = self.optimizer.add(acc, grads)
+        return self.optimizer.update(self, acc, sum_over(self.groups["dp"], loss, Op.LOSS))
+
+    def bytes_held(self) -> Held:
+        """What this worker keeps between steps: parameters, gradients (as kept until the update), AdamW states."""
+        return Held(sum(nbytes(p) for p in self.params.values()), self.optimizer.held_grads,
+                    self.optimizer.nbytes())
+
+    def weights(self) -> dict:
+        return {n: p.asnumpy() for n, p in self.params.items()}
