@@ -487,8 +487,7 @@ def _cli(args) -> int:
         result["msrun"] = msrun_command(best.layout, result["nodes"])
     text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
             f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {result['precision']}, amp_level {amp}, "
-            f"efficiency "
-            f"{args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
+            f"efficiency {args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
             f"bytes per parameter: {result['assumptions']['bytes_per_param']}",
             "", format_table(result, args.top), ""]
     if best:
