@@ -178,8 +178,9 @@ _MODEL_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_he
                "n_kv_heads": "num_kv_heads", "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
                "multiple_of": "multiple_of", "ffn_dim_multiplier": "ffn_dim_multiplier",
                "tie_word_embeddings": "tie_word_embeddings"}
-_DTYPE_KEYS = {"compute_dtype": "compute_dtype", "param_init_type": "param_dtype",
-               "softmax_compute_type": "softmax_dtype", "layernorm_compute_type": "norm_dtype"}
+# the model_config keys that carry an amp level's dtypes (what llama_config_kwargs writes for AMP_LEVELS)
+_DTYPE_KEYS = ("compute_dtype", "param_init_type", "softmax_compute_type", "layernorm_compute_type",
+               "embedding_init_type", "rotary_dtype")
 
 
 def read_run_yaml(path) -> dict:
@@ -195,39 +196,37 @@ def read_run_yaml(path) -> dict:
     except (KeyError, TypeError) as e:
         raise LabkitError(f"{path}: not a mindformers run YAML (no {e})",
                           "give a YAML with model.model_config, parallel, parallel_config and runner_config") from None
-    dtypes = {ours: mc.get(theirs) for theirs, ours in _DTYPE_KEYS.items()}
-    dtypes["embedding_dtype"] = mc.get("embedding_init_type") or mc.get("param_init_type")
-    dtypes["rotary_dtype"] = mc.get("rotary_dtype", "float32")
+    model = dataclasses.replace(ModelConfig(name=doc.get("trainer", {}).get("model_name", "model")),
+                                **{ours: mc[theirs] for theirs, ours in _MODEL_KEYS.items() if theirs in mc})
+    # mindformers' LlamaConfig takes param_init_type for a missing embedding_init_type, float32 for rotary_dtype
+    dtypes = {k: mc.get(k) for k in _DTYPE_KEYS}
+    dtypes["embedding_init_type"] = dtypes["embedding_init_type"] or dtypes["param_init_type"]
+    dtypes["rotary_dtype"] = dtypes["rotary_dtype"] or "float32"
     level = next((name for name, d in AMP_LEVELS.items()
-                  if all(d.get(k, _default_dtype(k, d)) == v for k, v in dtypes.items())), None)
+                  if all(llama_config_kwargs(model, seq_length=1, backend=Backend(**d))[k] == v
+                         for k, v in dtypes.items())), None)
     if level is None:
         raise LabkitError(f"{path}: model_config dtypes {dtypes} are no amp level labkit knows",
                           f"use the dtypes of one of {', '.join(AMP_LEVELS)} (labkit.config.AMP_LEVELS)")
-    model = dataclasses.replace(ModelConfig(name=doc.get("trainer", {}).get("model_name", "model")),
-                                **{ours: mc[theirs] for theirs, ours in _MODEL_KEYS.items() if theirs in mc})
     pp = int(pc.get("pipeline_stage", 1))
     accum = int(pc.get("micro_batch_num", 1)) if pp > 1 else int(run.get("gradient_accumulation_steps", 1))
     recompute = rc.get("recompute", False)
     if isinstance(recompute, list):  # layers per stage: mindformers recomputes the first n of each
         n = model.num_layers
         recompute = f"last:{sum(recompute)}" if sum(recompute) < n else True
-    opc = par.get("parallel_optimizer_config") or {}
+    opc, default = par.get("parallel_optimizer_config") or {}, OptimizerParallel()
     layout = Layout(dp=int(pc["data_parallel"]), mp=int(pc.get("model_parallel", 1)), pp=pp,
                     micro_batch=int(run["batch_size"]), accum=accum,
                     recompute=Recompute("selective") if rc.get("select_recompute") else Recompute.parse(recompute),
                     optimizer_shard=bool(par.get("enable_parallel_optimizer")),
                     sequence_parallel=bool(pc.get("use_seq_parallel")),
-                    optimizer=OptimizerParallel(level=opc.get("optimizer_level", "level1"),
-                                                gradient_accumulation_shard=bool(opc.get("gradient_accumulation_shard")),
-                                                threshold_kb=int(opc.get("parallel_optimizer_threshold", 64)),
-                                                weight_shard_size=int(opc.get("optimizer_weight_shard_size", -1)),
-                                                comm_recompute=bool(rc.get("parallel_optimizer_comm_recompute"))))
+                    optimizer=OptimizerParallel(
+                        level=opc.get("optimizer_level", default.level),
+                        gradient_accumulation_shard=bool(opc.get("gradient_accumulation_shard")),
+                        threshold_kb=int(opc.get("parallel_optimizer_threshold", default.threshold_kb)),
+                        weight_shard_size=int(opc.get("optimizer_weight_shard_size", default.weight_shard_size)),
+                        comm_recompute=bool(rc.get("parallel_optimizer_comm_recompute"))))
     pool = (doc.get("context") or {}).get("max_device_memory")
     return {"model": model, "layout": layout, "amp_level": level, "seq_len": int(mc["seq_length"]),
             "flash_attention": bool(mc.get("use_flash_attention")),
             "max_device_memory_gib": float(str(pool).upper().removesuffix("GB")) if pool else None}
-
-
-def _default_dtype(key: str, level: dict) -> str:
-    """An AMP_LEVELS entry's dtype for a key it leaves out (labkit.model.llama.Backend's defaults)."""
-    return level["param_dtype"] if key == "embedding_dtype" else "float32"
