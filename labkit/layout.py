@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from labkit.errors import LabkitError
 
-RECOMPUTE = ("none", "selective", "full")
-OPTIMIZER_LEVELS = ("level1", "level2", "level3")  # the planner's modes, each for every decoder layer
+RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")  # MindSpore's parallel_optimizer_config.optimizer_level
 RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"
 
 

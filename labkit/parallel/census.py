@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,7 +40,6 @@ from labkit.runtime import prepare_process
 STATE_FILE = Path(__file__).with_name("state_census.json")
 RECIPE = "configs/llama2_7b_mindformers.yaml"  # the 7B run the census shrinks
 WORKERS = 2
-ROLES = ("weights", "moments", "accu_grads", "scalars")
 KINDS = ("matrix", "norm", "embedding", "head")
 # the wrappers the trainer picks, by the micro-steps of the YAML (runner_config.gradient_accumulation_steps)
 ACCUM = {"MFTrainOneStepCell": 1, "MFPipelineWithLossScaleCell": 2}
@@ -59,8 +60,8 @@ def census_run(amp_level: str, wrapper: str) -> RunConfig:
         raise LabkitError(f"no census case for amp_level {amp_level!r} with {wrapper!r}",
                           f"use one of {', '.join(AMP_LEVELS)} and {', '.join(ACCUM)}")
     cfg = load_run_config(RECIPE, values={"train.amp_level": amp_level, "train.accum": ACCUM[wrapper],
-                                             "train.micro_batch": 1, "train.global_batch": WORKERS * ACCUM[wrapper],
-                                             "parallel.dp": WORKERS, "data.seq_len": 32})
+                                          "train.micro_batch": 1, "train.global_batch": WORKERS * ACCUM[wrapper],
+                                          "parallel.dp": WORKERS, "data.seq_len": 32})
     return dataclasses.replace(cfg, model=census_model())
 
 
@@ -112,27 +113,21 @@ def summarize(params: dict) -> dict:
     up: 8 for two float32 moments); per kind whether its weights take part in optimizer sharding
     (`Parameter.parallel_optimizer`, True/False lists when the kind has both); the scalars' bytes."""
     shadowing = [r for r in params.values() if r["role"] != "scalars"]
-    elements = {k: sum(_size(r["shape"]) for r in shadowing if r["role"] == "weights" and r["kind"] == k)
+    elements = {k: sum(math.prod(r["shape"]) for r in shadowing if r["role"] == "weights" and r["kind"] == k)
                 for k in KINDS}
     roles: dict = {}
     for r in shadowing:
         cur = roles.setdefault(r["role"], {}).setdefault(r["kind"], {"dtypes": set(), "bytes": 0})
         cur["dtypes"].add(r["dtype"])
-        cur["bytes"] += _size(r["shape"]) * r["itemsize"]
+        cur["bytes"] += math.prod(r["shape"]) * r["itemsize"]
     return {"roles": {role: {kind: {"dtypes": sorted(c["dtypes"]), "bytes_per_element": c["bytes"] / elements[kind]}
                              for kind, c in sorted(kinds.items())} for role, kinds in sorted(roles.items())},
             "weight_elements": elements,
             "parallel_optimizer": {k: sorted({r["parallel_optimizer"] for r in shadowing
                                               if r["role"] == "weights" and r["kind"] == k})
                                    for k in KINDS if elements[k]},
-            "scalar_bytes": sum(_size(r["shape"]) * r["itemsize"] for r in params.values() if r["role"] == "scalars")}
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+            "scalar_bytes": sum(math.prod(r["shape"]) * r["itemsize"] for r in params.values()
+                                if r["role"] == "scalars")}
 
 
 # ------------------------------------------------------------------------------------------- the msrun worker
@@ -194,8 +189,10 @@ def versions() -> dict:
     return {"mindspore": version("mindspore"), "mindformers": version("mindformers")}
 
 
+@functools.cache
 def load_states() -> dict:
-    """STATE_FILE: the census the planner counts with."""
+    """STATE_FILE: the census the planner counts with, read once per process (the planner asks for it for every
+    candidate strategy; the file changes only by `python -m labkit.launch.census --write`). Read, never modify."""
     if not STATE_FILE.exists():
         raise LabkitError(f"{STATE_FILE} is missing", "take it with: python -m labkit.launch.census --write")
     return json.loads(STATE_FILE.read_text())

@@ -112,9 +112,14 @@ def stage_weights(cfg: ModelConfig, pp: int = 1) -> dict[str, dict]:
             "last": {"layers": n_last, "weights": layers(n_last) + [head, norm]}}
 
 
+def device_params(stage: dict, mp: int) -> float:
+    """Parameters one device of a stage (an entry of stage_weights) holds."""
+    return sum(w.count * w.elements(mp) for w in stage["weights"])
+
+
 def stage_params(cfg: ModelConfig, mp: int = 1, pp: int = 1) -> dict[str, dict]:
     """Parameters held by one device of each pipeline stage (see stage_weights)."""
-    return {name: {"layers": st["layers"], "params": sum(w.count * w.elements(mp) for w in st["weights"])}
+    return {name: {"layers": st["layers"], "params": device_params(st, mp)}
             for name, st in stage_weights(cfg, pp).items()}
 
 
@@ -130,8 +135,7 @@ def opt_shards(w: Weight, layout: Layout, case: dict, weight_bytes: float) -> in
     s = layout.optimizer.shard_size(layout.dp)
     if math.prod(w.shape) * weight_bytes < layout.optimizer.threshold_kb * 1024:
         return 1
-    first = w.shape[0] // (layout.mp if w.split == 0 else 1)
-    return s if w.shape[0] % ((layout.mp if w.split == 0 else 1) * s) == 0 and first else 1
+    return s if w.shape[0] % ((layout.mp if w.split == 0 else 1) * s) == 0 else 1
 
 
 def model_states(cfg: ModelConfig, layout: Layout, numerics: Numerics, stage: dict,
@@ -303,6 +307,6 @@ def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n
         parts = {**states, "activations": acts}
         total = sum(parts.values())
         if worst is None or total > worst[1]:
-            params = sum(w.count * w.elements(mp) for w in st["weights"])
-            worst = ({**{k: v / GIB for k, v in parts.items()}, "stage": name, "params": params}, total)
+            worst = ({**{k: v / GIB for k, v in parts.items()}, "stage": name, "params": device_params(st, mp)},
+                     total)
     return {**worst[0], "total": worst[1] / GIB}

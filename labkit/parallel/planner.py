@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from labkit.config import ModelConfig, model_from_section, model_preset, read_yaml
 from labkit.errors import LabkitError
 from labkit.config import AMP_LEVELS
-from labkit.layout import RECOMPUTE, Layout, OptimizerParallel, Recompute
+from labkit.layout import OPTIMIZER_LEVELS, RECOMPUTE, Layout, OptimizerParallel, Recompute
 from labkit.model.shapes import flops_per_token, num_params, param_counts
 from labkit.output import add_common_flags, emit
 from labkit.parallel.devices import GIB, Device, device_preset
@@ -456,7 +456,7 @@ def add_cli(parser) -> None:
     parser.add_argument("--amp-level", default=None, choices=list(AMP_LEVELS),
                         help="mixed precision, the dtypes of labkit.config.AMP_LEVELS (default: the config's, else "
                              "fp16, mindformers' recipe; O0 with --device cpu)")
-    parser.add_argument("--optimizer-level", default=None, choices=["level1", "level2", "level3"],
+    parser.add_argument("--optimizer-level", default=None, choices=OPTIMIZER_LEVELS,
                         help="MindSpore's parallel_optimizer_config.optimizer_level for strategies that shard "
                              "(default level1, or the config's)")
     parser.add_argument("--nodes", type=int, default=None, help="servers (default: from the preset's devices per node)")

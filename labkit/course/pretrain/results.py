@@ -160,7 +160,8 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
             "optimizer_shard": p.optimizer_shard and f"on, {p.optimizer_level}",
             "lr": f"{t.lr:g} -> {t.min_lr:g}, warmup {t.warmup_steps}",
             "model states GiB": round(m["weights"] + m["gradients"] + m["optimizer"], 1),
-            "weight copies GiB": round(m["copies"], 1), "activations GiB": round(m["activations"], 1), "total GiB": round(m["total"], 1), "fits": row.fits,
+            "weight copies GiB": round(m["copies"], 1), "activations GiB": round(m["activations"], 1),
+            "total GiB": round(m["total"], 1), "fits": row.fits,
             "step s": round(row.step_time_s, 2), "tokens/s/device": round(row.tokens_per_s_per_device),
             "MFU": round(row.mfu, 3),
             f"days for {tokens / 1e9:g}B tokens": round(tokens / row.tokens_per_s / 86400, 1)}
