@@ -9,9 +9,20 @@ two-test file of three minutes (test_multinode.py) last, running alone while the
 `alone` (speed measurements) run afterwards in a second, single-process pytest (Makefile)."""
 from __future__ import annotations
 
+import pytest
+
 from labkit.runtime import prepare_process
 
 prepare_process("CPU")  # the suite runs on CPU; before any test module imports MindSpore (labkit/runtime.py)
+
+
+@pytest.fixture(scope="module")
+def ms():
+    """MindSpore in PyNative mode, for the tests that run the hand-written parallel code in this process."""
+    import mindspore
+
+    mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
+    return mindspore
 
 LONGEST_FIRST = (  # seconds per file on a worker, from a `--durations=0` fresh-clone run with 2 workers, 2026-12-02
     "notebooks/08a_memory_numerics.ipynb",  # 392 under nbval --durations at load average ~9 (08 whole was 223)

@@ -9,14 +9,6 @@ from labkit.errors import LabkitError
 
 
 @pytest.fixture
-def ms():
-    import mindspore
-
-    mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
-    return mindspore
-
-
-@pytest.fixture
 def fresh_check():
     """The protocol check run again for this test, and again after it (the real `_Function` for the others)."""
     mappings.function_base.cache_clear()

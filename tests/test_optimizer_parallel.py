@@ -27,14 +27,6 @@ DP, MICRO, STEPS = 3, 2, 2
 CFG = model_preset("tiny", vocab_size=100, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=40)
 
 
-@pytest.fixture(scope="module")
-def ms():
-    import mindspore
-
-    mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
-    return mindspore
-
-
 def _batches() -> list:
     """Per step, the global batch of DP x MICRO rows of token ids [1, s+1], some of them padding."""
     rng = np.random.default_rng(7)

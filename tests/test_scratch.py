@@ -10,19 +10,10 @@ from labkit.errors import LabkitError
 from labkit.model import scratch
 
 
-@pytest.fixture(scope="module")
-def pynative():
-    import mindspore as ms
-
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    return ms
-
-
 @pytest.mark.parametrize("tied", [False, True])
-def test_logits_and_loss_equal_mindformers(pynative, tied):
+def test_logits_and_loss_equal_mindformers(ms, tied):
     from labkit.model.llama import build_model
 
-    ms = pynative
     cfg = model_preset("tiny", tie_word_embeddings=tied)
     s = 24
     model = build_model(cfg, seq_length=s, seed=7)
@@ -61,7 +52,7 @@ def test_tensor_parallel_slices_join_back():
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=False, num_key_value_heads=4, rope_theta=5e5)])
-def test_a_converted_hf_llama_gives_the_hf_logits(pynative, tmp_path, variant):
+def test_a_converted_hf_llama_gives_the_hf_logits(ms, tmp_path, variant):
     """The chain a team uses: an HF Llama, converted by the lab, loaded into the scratch model: the HF logits
     (GQA with a tied head, and MHA with an untied head and another RoPE base)."""
     from labkit.weights import convert, parity
@@ -75,8 +66,6 @@ def test_a_converted_hf_llama_gives_the_hf_logits(pynative, tmp_path, variant):
     weights = {n: as_float32(read_ckpt_tensor(ckpt, e), e.dtype) for n, e in ckpt_index(ckpt).items()}
     tokens = parity.fixed_tokens(cfg.vocab_size, 20, seed=2)
     theirs = parity.hf_side(hf, tokens, 0)["logits"]
-    import mindspore as ms
-
     ours = scratch.logits(scratch.parameters(weights, cfg), ms.Tensor(np.array([tokens], np.int32)), cfg,
                           pad_token_id=-1).asnumpy()[0]
     assert np.abs(ours - theirs).max() <= parity.TOLERANCE

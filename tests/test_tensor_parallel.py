@@ -20,14 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from thread_group import Threads  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ms():
-    import mindspore
-
-    mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
-    return mindspore
-
-
 def _plain(ms, logits, labels):
     from mindspore import ops
 
