@@ -81,6 +81,10 @@ def test_each_worker_holds_its_share(result):
             assert w.held == Held(params=slices, grads=grads, optimizer=2 * slices, gathered=gathered)
     stages = [w.held.params for w in lay["pp2_1f1b"].per_worker]
     assert sum(stages) == every
+    tp_pp = {(w.place.pp, w.place.tp): w.held.params for w in lay["sp2_pp2"].per_worker}
+    assert sum(v for (_, tp), v in tp_pp.items() if tp == 0) == every - split // 2  # both stages of one tp rank
+    for w in lay["dp2_tp2_pp2"].per_worker:  # each data-parallel replica holds what the tp2 x pp2 workers hold
+        assert w.held.params == tp_pp[(w.place.pp, w.place.tp)]
 
 
 def _stage0_idle_floor(stage0: list, stage1: list) -> float:
@@ -97,26 +101,35 @@ def _stage0_idle_floor(stage0: list, stage1: list) -> float:
 
 
 def test_pipeline_runs_the_schedule_it_names(result):
-    """Every step of each stage ran its program (labkit.byhand.pipeline_parallel.programs) in order, one action
-    after the other, and held the micro-batches the schedule says at its peak. The idle share is a timing, so no
-    bound is asserted from one machine's run; stage 0's is checked against the floor its dependencies on stage 1
-    force (`_stage0_idle_floor`), which holds under any load. GPipe and 1F1B have the same floor: the same work in
-    another order (the difference between them is what each stage holds, checked here too)."""
-    for name, peaks in (("pp2_gpipe", [4, 4]), ("pp2_1f1b", [2, 1])):
-        row = result["layouts"][name]
-        lay, stages = row.layout, {w.place.pp: w.pipeline for w in row.per_worker}
-        assert sorted(stages) == [0, 1]
-        for stage, peak in zip((0, 1), peaks, strict=True):
-            assert len(stages[stage]) == runs.SETTINGS["steps"], "one pipeline record per training step"
-            for step in stages[stage]:
-                assert step.peak_held_microbatches == peak
-                program = [list(a) for a in programs(lay.schedule, lay.micro)[stage]]
-                assert [[a, j] for a, j, _, _ in step.timeline] == program
-                ends = [t for _, _, t0, t1 in step.timeline for t in (t0, t1)]
-                assert ends == sorted(ends), "actions one after the other"
-        for s0, s1 in zip(stages[0], stages[1], strict=True):
-            floor = _stage0_idle_floor(s0.timeline, s1.timeline)
-            assert s0.idle_share >= floor - 1e-9, (name, s0.idle_share, floor)
+    """In every pipeline layout (alone or composed with dp and tp), every step of each stage ran its program
+    (labkit.byhand.pipeline_parallel.programs) in order, one action after the other, and held the micro-batches the
+    schedule says at its peak (GPipe m, 1F1B p - stage). The idle share is a timing, so no bound is asserted from
+    one machine's run; stage 0's is checked against the floor its dependencies on stage 1 force
+    (`_stage0_idle_floor`), which holds under any load. GPipe and 1F1B have the same floor: the same work in another
+    order (the difference between them is what each stage holds, checked here too)."""
+    piped = [row for row in result["layouts"].values() if row.layout.pp > 1]
+    assert {row.layout.name for row in piped} >= {"pp2_gpipe", "pp2_1f1b", "dp2_pp2", "sp2_pp2", "dp2_tp2_pp2"}
+    for row in piped:
+        lay = row.layout
+        chains = {}  # the workers of one pipeline: same data- and tensor-parallel index, by stage
+        for w in row.per_worker:
+            chains.setdefault((w.place.dp, w.place.tp), {})[w.place.pp] = w.pipeline
+        assert len(chains) == lay.dp * lay.tp
+        for stages in chains.values():
+            assert sorted(stages) == list(range(lay.pp))
+            for stage, steps in stages.items():
+                assert len(steps) == runs.SETTINGS["steps"], "one pipeline record per training step"
+                peak = lay.micro if lay.schedule == "gpipe" else min(lay.micro, lay.pp - stage)
+                program = [list(a) for a in programs(lay.schedule, lay.micro, lay.pp)[stage]]
+                for step in steps:
+                    assert step.peak_held_microbatches == peak, (lay.name, stage)
+                    assert [[a, j] for a, j, _, _ in step.timeline] == program
+                    ends = [t for _, _, t0, t1 in step.timeline for t in (t0, t1)]
+                    assert ends == sorted(ends), "actions one after the other"
+            if lay.pp == 2:
+                for s0, s1 in zip(stages[0], stages[1], strict=True):
+                    floor = _stage0_idle_floor(s0.timeline, s1.timeline)
+                    assert s0.idle_share >= floor - 1e-9, (lay.name, s0.idle_share, floor)
 
 
 def test_each_worker_holds_what_the_planner_says_or_a_named_cause(result):
@@ -171,8 +184,8 @@ def test_a_result_file_from_other_code_is_refused(result, tmp_path):
 def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_path):
     every = Layout(dp=2, mp=2, pp=2, optimizer_shard=True, sequence_parallel=True)
     rows = parallel_lab.evidence(every)
-    assert len(rows) == 6 and all(r["used"] and r["equal to one card"] is True for r in rows)
+    assert len(rows) == 7 and all(r["used"] and r["equal to one card"] is True for r in rows)
     assert {r["shown by"].split()[0] for r in rows} <= {lay.name for n in runs.LAYOUTS for lay in runs.LAYOUTS[n]}
     plain = parallel_lab.evidence(Layout(dp=8), root=tmp_path)
-    assert [r["used"] for r in plain] == [True, False, False, False, False, False]
+    assert [r["used"] for r in plain] == [True, False, False, False, False, False, False]
     assert all("run notebook 06a" in r["equal to one card"] for r in plain)  # nothing cached there: says what to run

@@ -1,10 +1,11 @@
 """The pipeline simulation reproduces the bubble formula and the in-flight micro-batches of GPipe and 1F1B, and
-runs the per-stage order of the lab's real 2-stage pipeline."""
+is the schedule the lab's hand-written pipeline runs (labkit.byhand.pipeline_parallel)."""
 from __future__ import annotations
 
 import pytest
 
 from labkit.byhand.pipeline_parallel import programs
+from labkit.errors import LabkitError
 from labkit.course.pipeline_sim import bubble_fraction, peak_in_flight, pipeline_schedule, simulated_bubble
 
 
@@ -21,7 +22,7 @@ def test_in_flight_micro_batches():
     gpipe, one = pipeline_schedule(4, 8, "gpipe"), pipeline_schedule(4, 8, "1f1b")
     assert [peak_in_flight(gpipe, s) for s in range(4)] == [8, 8, 8, 8]  # GPipe stashes every micro-batch
     assert [peak_in_flight(one, s) for s in range(4)] == [4, 3, 2, 1]  # 1F1B: p - stage
-    with pytest.raises(ValueError):
+    with pytest.raises(LabkitError):
         pipeline_schedule(2, 2, "zero_bubble")
 
 
@@ -38,11 +39,11 @@ def test_dependencies_respected():
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_the_simulation_orders_passes_as_the_real_pipeline_does(schedule):
-    for m in range(1, 9):
-        events = pipeline_schedule(2, m, schedule)
-        for stage, program in programs(schedule, m).items():
+    for p, m in ((p, m) for p in (2, 3, 4) for m in range(1, 9)):
+        events = pipeline_schedule(p, m, schedule)
+        for stage, program in programs(schedule, m, p).items():
             simulated = [(e["kind"], e["micro"]) for e in sorted(events, key=lambda e: e["start"]) if e["stage"] == stage]
-            assert simulated == [(a, j) for a, j in program if a in ("F", "B")], (stage, m)
+            assert simulated == [(a, j) for a, j in program if a in ("F", "B")], (p, stage, m)
 
 
 def test_stages_of_unequal_cost_idle_the_cheaper_one():

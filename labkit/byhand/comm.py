@@ -5,7 +5,8 @@ built on them (each collective with its backward) are labkit.byhand.mappings.
 
 The CPU backend's AllReduce sums only ("AllReduce only support reduce sum on CPU, but got max") and its AllGather
 runs on the world group only: `Group.stack_by_sum` gathers on any group as a sum in which each worker fills its
-own slot of a [size, ...] tensor of zeros (exact, the same value an all-gather gives).
+own slot of a [size, ...] tensor of zeros (exact, the same value an all-gather gives); `Group.all_gather` uses it
+off the world group.
 
 A reduce-scatter is an all-reduce followed by keeping one's own slice (the CPU backend has no ReduceScatter): the
 same result, but every worker holds the whole tensor for a moment and the wire carries an all-reduce's bytes.
@@ -140,6 +141,7 @@ class Group:
     index: int
     ranks: tuple = ()
     traffic: Traffic = field(default_factory=Traffic)
+    world: bool = False  # the whole job (MindSpore's world group): the CPU backend's Broadcast runs only there
 
     def __post_init__(self):
         self._ops = {}
@@ -160,11 +162,15 @@ class Group:
         return self.op("all_reduce")(x)
 
     def all_gather(self, x, axis: int, name: Op):
-        """Concatenate every worker's x along `axis` (in group order)."""
+        """Concatenate every worker's x along `axis` (in group order). Off the world group, where the CPU backend
+        has no AllGather, `stack_by_sum`'s slots joined."""
         if self.size == 1:
             return x
         from mindspore import ops
 
+        if not self.world:
+            stacked = self.stack_by_sum(x, name)
+            return ops.cat([stacked[i] for i in range(self.size)], axis)
         self.traffic.add(name, (self.size - 1) * nbytes(x))
         if axis == 0:
             return self.op("all_gather")(x)
@@ -191,12 +197,13 @@ class Group:
         self.traffic.add(name, 2 * (self.size - 1) / self.size * n, (self.size - 1) / self.size * n)
         return chunk(self.op("all_reduce")(x), axis, self.size, self.index)
 
-    def transfer(self, x, src: int, world: bool, name: Op):
+    def transfer(self, x, src: int, name: Op):
         """x of worker `src` (an index in this group) delivered to every worker of the group; the others pass a
-        tensor of the same shape and dtype (its values are not used)."""
+        tensor of the same shape and dtype (its values are not used). A broadcast on the world group, elsewhere an
+        all-reduce to which the others contribute zeros."""
         from mindspore import ops
 
-        if world:
+        if self.world:
             self.traffic.add(name, nbytes(x) if self.index == src else 0.0)
             return ops.Broadcast(src, group=self.name)((x,))[0]
         mine = x if self.index == src else ops.zeros_like(x)
@@ -218,21 +225,26 @@ def chunk(x, axis: int, parts: int, index: int):
     return x[tuple(sl)]
 
 
+_CREATED: set[str] = set()  # the groups this process has asked MindSpore to create (a name is created once)
+
+
 def make_group(ranks, rank: int, world_size: int, traffic: Traffic | None = None) -> Group:
     """The Group of `ranks` (this worker among them); the whole job is MindSpore's world group, any other set is
-    created (every member calls this with the same ranks)."""
+    created once per process (every member calls this with the same ranks, in the same order of groups)."""
     from mindspore.communication import GlobalComm, create_group
 
     ranks = tuple(sorted(ranks))
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not in the group {ranks}")
-    if len(ranks) == world_size:
+    world = len(ranks) == world_size
+    if world:
         name = GlobalComm.WORLD_COMM_GROUP
     else:
         name = "labkit_" + "_".join(map(str, ranks))
-        if len(ranks) > 1:
+        if len(ranks) > 1 and name not in _CREATED:
             create_group(name, list(ranks))
-    return Group(name, len(ranks), ranks.index(rank), ranks, traffic if traffic is not None else Traffic())
+            _CREATED.add(name)
+    return Group(name, len(ranks), ranks.index(rank), ranks, traffic if traffic is not None else Traffic(), world)
 
 
 def sum_over(group: Group, value: float, name: Op) -> float:

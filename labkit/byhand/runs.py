@@ -48,7 +48,9 @@ LAYOUTS = {
         HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2),
         HandLayout("opt1", dp=2, opt_level=1, micro=2), HandLayout("opt2", dp=2, opt_level=2, micro=2),
         HandLayout("opt3", dp=2, opt_level=3, micro=2)],
-    4: [HandLayout("dp2_tp2", dp=2, tp=2)],
+    4: [HandLayout("dp2_tp2", dp=2, tp=2), HandLayout("dp2_pp2", dp=2, pp=2, micro=2),
+        HandLayout("sp2_pp2", tp=2, sp=True, pp=2, micro=4)],
+    8: [HandLayout("dp2_tp2_pp2", dp=2, tp=2, pp=2, micro=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
 # The tiny CPU config's optimizer (TrainConfig's defaults: lr, AdamW, clipping), its warmup and decay shortened for
@@ -140,10 +142,8 @@ def step_batches(layout: HandLayout, dp_index: int, settings: dict = SETTINGS):
 
 
 def groups_of(layout: HandLayout, rank: int, world: int, traffic: Traffic) -> dict:
-    at, tp, pp = layout.place(rank), layout.tp, layout.pp
-    members = {"tp": [(at.dp * pp + at.pp) * tp + i for i in range(tp)],
-               "dp": [(i * pp + at.pp) * tp + at.tp for i in range(layout.dp)],
-               "pp": [(at.dp * pp + i) * tp + at.tp for i in range(pp)]}
+    """This rank's groups (HandLayout.members), made with MindSpore's communication (alone: one-worker groups)."""
+    members = layout.members(rank)
     if world == 1:
         return {k: Group("none", 1, 0, (0,), traffic) for k in members}
     return {k: make_group(v, rank, world, traffic) for k, v in members.items()}

@@ -22,19 +22,19 @@ parallel (a worker that keeps only its 1/dp slice of the weights) is `labkit.byh
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from labkit.byhand.comm import Op, nbytes, sum_over
 from labkit.byhand.data_parallel import AdamW, ZeRO1, ZeRO2
+from labkit.byhand.pipeline_parallel import SCHEDULES
 from labkit.byhand.tensor_parallel import SequenceParallel, TensorParallel
 from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
 from labkit.model import scratch
+from labkit.model.shapes import pipeline_layers
 
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ class Place:
 
     @property
     def stage(self) -> str:
-        """The stage's name in the planner's words (labkit.parallel.memory.stage_weights): only, first or last."""
-        return "only" if self.stages == 1 else "first" if self.pp == 0 else "last"
+        """The stage's name: only, first, middle or last."""
+        return "only" if self.stages == 1 else "first" if self.pp == 0 else "last" if self.pp == self.stages - 1 \
+            else "middle"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,19 @@ class HandLayout:
     def place(self, rank: int) -> Place:
         return Place(rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp, self.pp)
 
+    def rank_at(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def members(self, rank: int) -> dict[str, list[int]]:
+        """The ranks of each of this rank's groups: tp, dp and pp (the ranks that differ from it in that index
+        alone), and pp_prev and pp_next (its stage with the stage before, and after; alone at the ends)."""
+        at, of = self.place(rank), self.rank_at
+        return {"tp": [of(at.dp, at.pp, i) for i in range(self.tp)],
+                "dp": [of(i, at.pp, at.tp) for i in range(self.dp)],
+                "pp": [of(at.dp, i, at.tp) for i in range(self.pp)],
+                "pp_prev": [of(at.dp, i, at.tp) for i in range(max(at.pp - 1, 0), at.pp + 1)],
+                "pp_next": [of(at.dp, i, at.tp) for i in range(at.pp, min(at.pp + 2, self.pp))]}
+
     def check(self, cfg: ModelConfig, global_batch: int) -> None:
         where = f"layout '{self.name}'"
         if self.sp and self.tp < 2:
@@ -104,12 +118,8 @@ class HandLayout:
         if self.zero not in (0, 1, 2) or self.opt_level not in (0, 1, 2, 3) or self.schedule not in SCHEDULES:
             raise LabkitError(f"{where}: zero must be 0, 1 or 2, opt_level 0 to 3 and schedule one of "
                               f"{', '.join(SCHEDULES)}")
-        if self.pp not in (1, 2):
-            raise LabkitError(f"{where}: pipeline stages are written for pp = 2", "use pp 1 or 2")
-        if self.pp > 1 and (self.dp > 1 or self.tp > 1):
-            raise LabkitError(f"{where}: the pipeline here runs alone (pp x dp or pp x tp is not written)")
         if self.pp > cfg.num_layers:
-            raise LabkitError(f"{where}: {self.pp} stages for {cfg.num_layers} layers")
+            raise LabkitError(f"{where}: {self.pp} stages for {cfg.num_layers} layers", "give every stage a layer")
         if global_batch % (self.dp * self.micro):
             raise LabkitError(f"{where}: global batch {global_batch} does not split into dp {self.dp} x "
                               f"micro {self.micro}")
@@ -117,9 +127,9 @@ class HandLayout:
 
 def stage_shard(cfg: ModelConfig, layout: HandLayout, rank: int) -> scratch.Shard:
     place = layout.place(rank)
-    per = math.ceil(cfg.num_layers / layout.pp)
-    return scratch.Shard(first_layer=place.pp * per, end_layer=min(cfg.num_layers, (place.pp + 1) * per),
-                         tp_size=layout.tp, tp_rank=place.tp, vocab_parallel=layout.vocab and layout.tp > 1)
+    layers = pipeline_layers(cfg.num_layers, layout.pp, place.pp)
+    return scratch.Shard(first_layer=layers.start, end_layer=layers.stop, tp_size=layout.tp, tp_rank=place.tp,
+                         vocab_parallel=layout.vocab and layout.tp > 1)
 
 
 class Worker:
@@ -131,7 +141,7 @@ class Worker:
     def __init__(self, cfg: ModelConfig, layout: HandLayout, full: dict, rank: int, groups: dict,
                  train: TrainConfig, dtype=np.float32):
         self.cfg, self.layout, self.rank, self.groups, self.train, self.dtype = cfg, layout, rank, groups, train, dtype
-        self.shard = stage_shard(cfg, layout, rank)
+        self.place, self.shard = layout.place(rank), stage_shard(cfg, layout, rank)
         self.params = scratch.parameters(full, cfg, self.shard, dtype)
         self.names = list(self.params)
         tp = groups["tp"]
@@ -154,6 +164,11 @@ class Worker:
         """This micro-batch's share of the global loss: its summed token cross-entropies over the global count."""
         out = scratch.stage(params, tokens, mask, self.cfg, self.shard, self.hooks)
         return scratch.loss_terms(out, labels, mask, self.hooks)[0] / count
+
+    def boundary_shape(self, b: int, s: int) -> tuple[int, int, int]:
+        """What one pipeline stage sends the next for a micro-batch of b sequences of s tokens: the residual
+        stream, split by sequence over tp under sequence parallelism."""
+        return b, s // self.layout.tp if self.layout.sp else s, self.cfg.hidden_size
 
     def batch(self, micro_batches: list) -> tuple[list, object]:
         """(inputs, labels, mask) per micro-batch (token ids [b, s+1] each) and the tokens of the global batch."""

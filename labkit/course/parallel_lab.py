@@ -30,7 +30,8 @@ from labkit.errors import LabkitError
 from labkit.launch import workers as launch_workers
 from labkit.layout import Layout, OptimizerParallel
 from labkit.model import scratch
-from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_weights
+from labkit.byhand.worker import Place, stage_shard
+from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_at
 from labkit.paths import RUNS
 from labkit.sources import source_key, stamp, stamped
 from labkit.training.metrics import POOL_STATS_ENV, pool_peak_mb
@@ -255,13 +256,13 @@ def compare(root: Path | None = None) -> dict:
 # ------------------------------------------------------------------------------------------ against the planner
 
 
-def planner_lines(lay: HandLayout, stage: str | None = None) -> dict:
+def planner_lines(lay: HandLayout, stage: int = 0) -> dict:
     """The planner's bytes per worker (float32 weights, gradients and AdamW moments, memory.model_states with the
-    O0 census) for a layout, per stage. ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
+    O0 census) for a layout, on pipeline stage `stage` (memory.stage_at). ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
     planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting. The optimizer-parallel layouts
     (opt_level) are MindSpore's levels: the planner's sharded lines, with the gathered weights."""
     cfg = runs.model_cfg()
-    st = stage_weights(cfg, lay.pp)[stage or ("only" if lay.pp == 1 else "first")]
+    st = stage_at(cfg, lay.pp, stage)
     level = lay.opt_level
     layout = Layout(dp=lay.dp, mp=lay.tp, pp=lay.pp, accum=lay.micro, optimizer_shard=bool(level),
                     optimizer=OptimizerParallel(level=f"level{level or 1}"))
@@ -272,18 +273,21 @@ def planner_lines(lay: HandLayout, stage: str | None = None) -> dict:
 
 
 # Where the lab's hand-written layouts hold something else than the planner counts, and why (bytes per worker).
-def explained(lay: HandLayout) -> dict:
-    """What the planner's lines leave out or count differently for this layout: {term: bytes the measurement holds
-    more (+) or less (-) than the planner}, each for a stated cause."""
+def explained(lay: HandLayout, place: Place | None = None) -> dict:
+    """What the planner's lines leave out or count differently for this layout on the worker at `place` (default:
+    the first stage): {term: bytes the measurement holds more (+) or less (-) than the planner}, each for a stated
+    cause."""
     cfg = runs.model_cfg()
+    place = place or lay.place(0)
     vocab_h = cfg.vocab_size * cfg.hidden_size
     out = {}
     cut = 4 * vocab_h * (1 - 1 / lay.tp)  # bytes of one vocabulary table a worker does not hold under tp
-    if lay.tp > 1 and lay.vocab:
+    embedding, head = place.pp == 0, place.pp == lay.pp - 1  # which of the two this worker's stage holds
+    if lay.tp > 1 and lay.vocab and embedding:
         # the planner keeps the embedding whole on every worker (mindformers' default vocab_emb_dp: True); the lab's
         # vocabulary-parallel embedding holds 1/tp of its rows (vocab_emb_dp: False, Megatron's VocabParallelEmbedding)
         out.update({"params": -cut, "grads": -cut, "optimizer": -2 * cut})
-    elif lay.tp > 1 and not lay.vocab and not cfg.tie_word_embeddings:
+    elif lay.tp > 1 and not lay.vocab and not cfg.tie_word_embeddings and head:
         # the planner splits the output layer over mp (a vocabulary-parallel head, as mindformers does); a layout
         # with vocab=False keeps the head whole on every worker
         out.update({"params": cut, "grads": cut, "optimizer": 2 * cut})
@@ -322,7 +326,7 @@ def against_planner(result: dict) -> list[dict]:
     for name, row in result["layouts"].items():
         lay = row.layout
         for w in row.per_worker:
-            plan, why = planner_lines(lay, w.place.stage), explained(lay)
+            plan, why = planner_lines(lay, w.place.pp), explained(lay, w.place)
             for term in plan:
                 measured = getattr(w.held, term)
                 rows.append({"layout": name, "rank": w.rank, "term": term, "measured": measured,
@@ -335,25 +339,32 @@ def against_planner(result: dict) -> list[dict]:
 MAIN_OPS = {dim: d.textbook for dim, d in DIMENSIONS.items() if d.textbook}
 
 
-def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS) -> dict:
-    """Bytes one worker sends per step by the textbook (ring collectives, p workers in the group), per dimension:
-    tensor parallel 2 all-reduces of b·s·h per layer forward and 2 backward; sequence parallel the same volume as
-    all-gathers and reduce-scatters; data parallel one all-reduce of the gradients (ZeRO: reduce-scatter +
-    all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m times; optimizer parallel all-gathers
-    the weights for every micro-step's forward, again for its backward at level3, and reduce-scatters the gradients
-    once (level1) or every micro-step (level2/3)); pipeline b·s·h per micro-batch
-    per boundary, forward from stage 0, backward from stage 1; the vocabulary-parallel embedding and head an
-    all-reduce of b·s·h each way and the loss's two small collectives over b·s tokens."""
+def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS, place: Place | None = None) -> dict:
+    """Bytes the worker at `place` (default: rank 0's) sends per step by the textbook (ring collectives, p workers in
+    the group), per dimension: tensor parallel 2 all-reduces of b·s·h per layer of its stage forward and 2
+    backward; sequence parallel the same volume as all-gathers and reduce-scatters; data parallel one all-reduce of
+    its gradients (ZeRO: reduce-scatter + all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m
+    times; optimizer parallel all-gathers the weights for every micro-step's forward, again for its backward at
+    level3, and reduces-scatters the gradients once (level1) or every micro-step (level2/3)); pipeline b·s·h
+    (b·s/t·h under SP) per micro-batch and boundary: activations forward from every stage but the last, gradients
+    back from every stage but the first; the vocabulary-parallel embedding (first stage) an all-reduce of b·s·h
+    forward, the head (last stage) one backward and the loss's two small collectives over b·s tokens. A pipeline
+    stage runs each forward twice (once to send its output, again under autodiff for the backward: full
+    recompute, labkit.byhand.pipeline_parallel), and so every forward collective."""
     cfg = runs.model_cfg(settings)
-    s, h, L, g = settings["seq_len"], cfg.hidden_size, cfg.num_layers, settings["global_batch"]
+    place = place or lay.place(0)
+    shard = stage_shard(cfg, lay, lay.rank_at(place.dp, place.pp, place.tp))
+    s, h, g = settings["seq_len"], cfg.hidden_size, settings["global_batch"]
+    embedding, head = shard.first(cfg), shard.last(cfg)
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
     act = g // lay.dp * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
+    fwd = 2 if lay.pp > 1 else 1  # forwards per micro-batch (the pipeline recomputes)
     out = {}
-    if lay.tp > 1:
-        out["sp" if lay.sp else "tp"] = 4 * L * ring(lay.tp) * act
-    if lay.dp > 1:
-        every = 4 * sum(int(np.prod(v)) for v in scratch.shapes(cfg).values())
-        per = every if lay.tp == 1 else every - _split_bytes(cfg, lay) * (1 - 1 / lay.tp)
+    if lay.tp > 1:  # per layer 2 collectives in each forward, 2 in the backward
+        out["sp" if lay.sp else "tp"] = (2 * fwd + 2) * len(shard.layers(cfg)) * ring(lay.tp) * act
+    if lay.dp > 1:  # the gradients of what this worker holds: its stage, tensor-parallel slices 1/tp
+        shapes = scratch.shapes(cfg)
+        per = 4 * sum(int(np.prod(shapes[n])) / (lay.tp if shard.splits(n) else 1) for n in scratch.names(cfg, shard))
         out["zero" if lay.zero else "dp"] = ring(lay.dp) * per
         if lay.zero == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
             out["zero"] = (lay.micro + 1) * (lay.dp - 1) / lay.dp * per
@@ -365,15 +376,11 @@ def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS) -> dict:
         # the embedding's partial lookups summed forward, the head input's gradient summed backward (b·s·h each);
         # the loss: an all-gather of every worker's row maxima, an all-reduce of [2, b·s] (target logit, sum of exp)
         tokens = g // lay.dp * s * 4
-        out["vocab"] = 2 * ring(lay.tp) * act + (lay.tp - 1) * tokens + ring(lay.tp) * 2 * tokens
-    if lay.pp > 1:
-        out["pp"] = act  # m micro-batches of b/m: one whole batch's activations (stage 0) or gradients (stage 1)
+        out["vocab"] = embedding * fwd * ring(lay.tp) * act + head * (ring(lay.tp) * act + fwd * (
+            (lay.tp - 1) * tokens + ring(lay.tp) * 2 * tokens))
+    if lay.pp > 1:  # m micro-batches of b/m: one whole batch's activations forward, its gradients back
+        out["pp"] = ((not head) + (not embedding)) * act / (lay.tp if lay.sp else 1)
     return out
-
-
-def _split_bytes(cfg, lay: HandLayout) -> int:
-    shard = scratch.Shard(tp_size=lay.tp, vocab_parallel=lay.vocab)
-    return 4 * sum(int(np.prod(v)) for k, v in scratch.shapes(cfg).items() if shard.splits(k))
 
 
 def comm_rows(result: dict, settings: dict = runs.SETTINGS) -> list[dict]:
@@ -382,9 +389,8 @@ def comm_rows(result: dict, settings: dict = runs.SETTINGS) -> list[dict]:
     every collective of the step, both directions)."""
     rows, steps = [], settings["steps"]
     for name, row in result["layouts"].items():
-        book = textbook_bytes(row.layout, settings)
         for w in row.per_worker:
-            for dim, expect in book.items():
+            for dim, expect in textbook_bytes(row.layout, settings, w.place).items():
                 ops = [w.traffic[k] for k in MAIN_OPS[dim] if k in w.traffic]
                 rows.append({"layout": name, "rank": w.rank, "dimension": dim, "textbook": expect,
                              "counted": sum(o.ideal_bytes for o in ops) / steps,
@@ -401,6 +407,8 @@ EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
             ("use_seq_parallel", lambda s: s.sequence_parallel, "sp2", "06a §3-§4"),
             ("data_parallel x model_parallel", lambda s: s.dp > 1 and s.mp > 1, "dp2_tp2", "06a §4"),
             ("pipeline_stage + micro_batch_num", lambda s: s.pp > 1, "pp2_1f1b", "06b §1"),
+            ("data_parallel x model_parallel x pipeline_stage", lambda s: s.dp > 1 and s.mp > 1 and s.pp > 1,
+             "dp2_tp2_pp2", "06b §1"),
             ("optimizer_shard", lambda s: s.optimizer_shard, "opt1", "06b §2"))
 
 

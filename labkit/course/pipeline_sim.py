@@ -1,61 +1,20 @@
 """The pipeline schedules simulated: GPipe and 1F1B timelines for p stages and m micro-batches, their idle share
 (the bubble, (p - 1) / m: Narayanan et al. 2021, section 2.2) and the micro-batches each stage holds at its peak.
 
-The lab's real 2-stage pipeline (labkit.byhand.pipeline_parallel) runs the same per-stage order of forwards and
-backwards (tests/test_pipeline_sim.py checks it); this simulation draws any p and m with chosen pass times."""
+The schedule is the one the lab's hand-written pipeline runs (labkit.byhand.pipeline_parallel.simulate: its
+workers execute their stage's part of this timeline); here it is drawn for any p and m with chosen pass times."""
 from __future__ import annotations
+
+from labkit.byhand.pipeline_parallel import simulate
 
 
 def pipeline_schedule(stages: int, micro_batches: int, schedule: str = "1f1b", t_forward=1.0,
                       t_backward=2.0) -> list[dict]:
-    """Simulate a pipeline step: each stage runs its forward (F) and backward (B) passes in the schedule's order,
-    as soon as the previous stage's forward (or the next stage's backward) of that micro-batch is done.
-
-    gpipe: all forwards, then all backwards. 1f1b (PipeDream-Flush): stage i runs p - i - 1 warm-up forwards, then
-    alternates one forward and one backward. `t_forward`/`t_backward`: one time for every stage, or a list of one
-    per stage (stages of unequal cost). Returns events {stage, kind, micro, start, end}."""
-    p, m = stages, micro_batches
-    per_stage = lambda t: list(t) if isinstance(t, (list, tuple)) else [t] * p  # noqa: E731
-    t_f, t_b = per_stage(t_forward), per_stage(t_backward)
-    if p < 1 or m < 1:
-        raise ValueError("stages and micro_batches must be >= 1")
-    orders = []
-    for i in range(p):
-        if schedule == "gpipe":
-            order = [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-        elif schedule == "1f1b":
-            warm = min(p - i - 1, m)
-            order = [("F", k) for k in range(warm)]
-            for k in range(m - warm):
-                order += [("F", warm + k), ("B", k)]
-            order += [("B", k) for k in range(m - warm, m)]
-        else:
-            raise ValueError(f"schedule '{schedule}' is not known: use gpipe or 1f1b")
-        orders.append(order)
-    done: dict[tuple, float] = {}
-    free = [0.0] * p
-    pos = [0] * p
-    events = []
-    while any(pos[i] < len(orders[i]) for i in range(p)):
-        progressed = False
-        for i in range(p):
-            if pos[i] >= len(orders[i]):
-                continue
-            kind, k = orders[i][pos[i]]
-            dep = ("F", i - 1, k) if kind == "F" and i > 0 else ("B", i + 1, k) if kind == "B" and i < p - 1 \
-                else ("F", i, k) if kind == "B" else None
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[i], done.get(dep, 0.0))
-            end = start + (t_f[i] if kind == "F" else t_b[i])
-            done[(kind, i, k)] = end
-            free[i] = end
-            pos[i] += 1
-            events.append({"stage": i, "kind": kind, "micro": k, "start": start, "end": end})
-            progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked")  # cannot happen for gpipe / 1f1b
-    return events
+    """Simulate a pipeline step (labkit.byhand.pipeline_parallel.simulate, the schedule the lab's workers run):
+    events {stage, kind, micro, start, end}. gpipe: all forwards, then all backwards; 1f1b (PipeDream-Flush):
+    stage i runs p - i - 1 warm-up forwards, then alternates one forward and one backward. `t_forward` /
+    `t_backward`: one time for every stage, or one per stage (stages of unequal cost)."""
+    return simulate(stages, micro_batches, schedule, t_forward, t_backward)
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:

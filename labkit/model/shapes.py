@@ -55,6 +55,18 @@ def num_params(cfg: ModelConfig) -> int:
     return param_counts(cfg)["total"]
 
 
+def pipeline_layers(num_layers: int, stages: int, index: int) -> range:
+    """The decoder layers of pipeline stage `index` of `stages`: split as evenly as possible, the first
+    num_layers % stages stages taking one layer more (the planner's stages and the hand-written pipeline's). With
+    more stages than layers the last stages get none (the planner refuses such splits; its layer line, which sizes
+    the model with one layer fewer, reaches them)."""
+    if not 0 <= index < stages:
+        raise LabkitError(f"there is no stage {index} in a pipeline of {stages}", f"use 0 to {stages - 1}")
+    base, extra = divmod(num_layers, stages)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
 def grad_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     """Shapes of the Llama's trainable parameters (= its gradients, what data parallel all-reduces)."""
     return list(expected_hf_shapes(cfg).values())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from labkit.config import AMP_LEVELS, ModelConfig
 from labkit.errors import LabkitError
 from labkit.layout import RECOMPUTE, Layout
+from labkit.model.shapes import pipeline_layers
 from labkit.parallel import census
 from labkit.parallel.devices import GIB
 
@@ -96,20 +97,28 @@ def layer_weights(cfg: ModelConfig) -> list[Weight]:
 
 
 def stage_weights(cfg: ModelConfig, pp: int = 1) -> dict[str, dict]:
-    """Per pipeline stage ("only", or "first" and "last"): its decoder layers and the weights one of its devices
-    holds. Layers split as evenly as possible (the first stages take the remainder); the embedding is replicated
-    over mp (mindformers' vocab_emb_dp) and sits on the first stage; the final norm and the output layer (split
-    over mp) on the last; a tied output layer is the embedding itself with one stage, a copy on the last with more."""
-    V, h, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+    """Per pipeline stage the planner sizes ("only", or "first" and "last"; a middle stage holds no more than the
+    first): its decoder layers and the weights one of its devices holds (`stage_at`)."""
+    if pp == 1:
+        return {"only": stage_at(cfg, 1, 0)}
+    return {"first": stage_at(cfg, pp, 0), "last": stage_at(cfg, pp, pp - 1)}
+
+
+def stage_at(cfg: ModelConfig, pp: int, index: int) -> dict:
+    """Pipeline stage `index` of `pp`: its decoder layers (shapes.pipeline_layers: as evenly as possible, the first
+    stages take the remainder) and the weights one of its devices holds. The embedding is replicated over mp
+    (mindformers' vocab_emb_dp) and sits on the first stage; the final norm and the output layer (split over mp)
+    on the last; a tied output layer is the embedding itself with one stage, a copy on the last with more."""
+    V, h = cfg.vocab_size, cfg.hidden_size
     emb, norm, head = Weight("embedding", (V, h), None, 1, False), Weight("norm", (h,), None, 1, False), \
         Weight("head", (V, h), 0, 1, False)
-    per = layer_weights(cfg)
-    layers = lambda n: [dataclasses.replace(w, count=w.count * n) for w in per]  # noqa: E731
-    if pp == 1:
-        return {"only": {"layers": L, "weights": layers(L) + [emb, norm] + ([] if cfg.tie_word_embeddings else [head])}}
-    n_first, n_last = math.ceil(L / pp), L // pp  # the first L % pp stages take one layer more
-    return {"first": {"layers": n_first, "weights": layers(n_first) + [emb]},
-            "last": {"layers": n_last, "weights": layers(n_last) + [head, norm]}}
+    n = len(pipeline_layers(cfg.num_layers, pp, index))
+    weights = [dataclasses.replace(w, count=w.count * n) for w in layer_weights(cfg)]
+    if index == 0:
+        weights.append(emb)
+    if index == pp - 1:
+        weights += [norm] + ([] if cfg.tie_word_embeddings and pp == 1 else [head])
+    return {"layers": n, "weights": weights}
 
 
 def device_params(stage: dict, mp: int) -> float:
