@@ -49,7 +49,7 @@ LAYOUTS = {
         HandLayout("opt1", dp=2, opt_level=1, micro=2), HandLayout("opt2", dp=2, opt_level=2, micro=2),
         HandLayout("opt3", dp=2, opt_level=3, micro=2)],
     4: [HandLayout("dp2_tp2", dp=2, tp=2), HandLayout("dp2_pp2", dp=2, pp=2, micro=2),
-        HandLayout("sp2_pp2", tp=2, sp=True, pp=2, micro=4)],
+        HandLayout("sp2_pp2", tp=2, sp=True, pp=2, micro=2)],
     8: [HandLayout("dp2_tp2_pp2", dp=2, tp=2, pp=2, micro=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
