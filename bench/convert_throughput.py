@@ -89,7 +89,7 @@ def child(method: str, src: Path, dst: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from labkit.weights import convert
     from labkit import logs
-    from labkit.weights import mapping
+    from labkit.weights import name_map as mapping
 
     logs.quiet_mindformers()  # MindSpore + mindformers imported: the fixed cost both methods share
     import mindspore as ms  # noqa: F401

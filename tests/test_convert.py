@@ -17,7 +17,7 @@ from labkit import logs
 from labkit.model import shapes
 from labkit.model.shapes import num_params
 from labkit.weights import hf_config
-from labkit.weights import mapping
+from labkit.weights import name_map as mapping
 from labkit.weights import parity
 from labkit.errors import LabkitError
 

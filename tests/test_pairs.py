@@ -16,7 +16,7 @@ import yaml
 from labkit.config import load_run_config, to_dict
 from labkit.errors import LabkitError
 from labkit.weights import formats, pairs
-from labkit.weights.mapping import ms_shapes
+from labkit.weights.name_map import ms_shapes
 from labkit.training import run_dir
 
 ROOT = Path(__file__).resolve().parents[1]

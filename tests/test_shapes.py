@@ -7,7 +7,7 @@ import pytest
 from labkit.config import model_preset
 from labkit.model import shapes
 from labkit.model.llama import build_model
-from labkit.weights.mapping import hf_to_ms
+from labkit.weights.name_map import hf_to_ms
 
 LLAMA2_7B_PUBLISHED = 6_738_415_616  # Touvron et al. 2023 / the HF checkpoint's safetensors index
 

@@ -149,7 +149,7 @@ class Trainer:
         not_loaded, _ = ms.load_param_into_net(self.model, checkpoint.load_weights(path), strict_load=True)
         if not_loaded:
             raise LabkitFailure(f"init_checkpoint {path} passed the shape check but left {not_loaded[:3]} of the "
-                                "built model unloaded: labkit.weights.mapping and mindformers' model disagree",
+                                "built model unloaded: labkit.weights.name_map and mindformers' model disagree",
                                 "report this with the model config")
 
     def _compile(self, net):

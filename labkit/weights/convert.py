@@ -48,7 +48,7 @@ from labkit.weights.formats import (
     training_checkpoint,
 )
 from labkit.weights.hf_config import hf_config_from_model, model_config_from_hf, read_model_config
-from labkit.weights.mapping import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table, ms_shapes
+from labkit.weights.name_map import BUFFER, MAPPING, TIED_COPY, hf_to_ms, mapping_table, ms_shapes
 from labkit.weights.pairs import CONVERTED_TOKENIZER_FIX, check_tokenizer_fits, check_weights
 
 # ------------------------------------------------------------------------------------------ the mapping

@@ -14,7 +14,7 @@ from labkit.errors import LabkitError
 from labkit.io import read_json_object
 from labkit.weights.formats import ckpt_index, model_entries
 from labkit.weights.hf_config import read_model_config
-from labkit.weights.mapping import hf_to_ms, ms_shapes
+from labkit.weights.name_map import hf_to_ms, ms_shapes
 
 
 STRUCTURE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_heads", "ffn_size", "tie_word_embeddings")

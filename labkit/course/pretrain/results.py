@@ -21,7 +21,7 @@ from labkit.parallel.devices import device_preset
 from labkit.parallel.planner import Machine
 from labkit.training import checkpoint
 from labkit.training.metrics import health, read_metrics, steady
-from labkit.weights.mapping import hf_to_ms
+from labkit.weights.name_map import hf_to_ms
 
 
 def expected_shapes(model) -> dict[str, tuple]:
