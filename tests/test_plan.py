@@ -140,7 +140,7 @@ def test_plan_8_cards_finds_the_mindformers_recipe(plan8):
     tps = [r.tokens_per_s for r in plan8["strategies"] if r.fits]
     assert tps == sorted(tps, reverse=True)
     for r in plan8["strategies"]:
-        assert r.dp * r.mp * r.pp == 8 and r.dp * r.micro_batch * r.accum == 64
+        assert r.dp * r.mp * r.pp * r.cp == 8 and r.dp * r.micro_batch * r.accum == 64
         m = r.memory_gib
         parts = m["weights"] + m["gradients"] + m["optimizer"] + m["copies"] + m["activations"] + m["overhead"]
         assert m["total"] == pytest.approx(parts, abs=0.01)
