@@ -84,17 +84,17 @@ def test_mindformers_rules_refuse_what_it_refuses(change, says):
 def test_activations_are_the_layers_at_s_over_cp_plus_the_attention_terms():
     s, b, h, kv = 32768, 1, SEVEN_B.hidden_size, SEVEN_B.kv_heads * SEVEN_B.head_dim
     base = memory.layer_activations(SEVEN_B, s // 4, b, mp=2, numerics=FA)
-    ring = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=4, ulysses=1)
-    uly = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=4, ulysses=4)
+    ring = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=(4, 1))
+    uly = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=(4, 4))
     sc = s / 4 * b
     assert ring["stored"] == base["stored"]  # the ring keeps only its own blocks
     assert ring["working"] == 8 * sc * kv / 2 + sc * h / 2 * 4 / FA.act_bytes  # K, V, dK, dV in flight + dQ fp32
     assert uly["stored"] == base["stored"] + sc * h / 2  # the attention output before the all-to-all back
     assert uly["working"] == sc * (2 * h + 2 * kv) / 2
-    full = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=4, ulysses=4, recompute="full")
+    full = memory.layer_activations(SEVEN_B, s, b, mp=2, numerics=FA, cp=(4, 4), recompute="full")
     assert full["stored"] == memory.layer_activations(SEVEN_B, s // 4, b, mp=2, numerics=FA, recompute="full")["stored"]
     with pytest.raises(LabkitError, match="without flash attention"):
-        memory.layer_activations(SEVEN_B, s, b, cp=2, numerics=dataclasses.replace(FA, flash_attention=False))
+        memory.layer_activations(SEVEN_B, s, b, cp=(2, 1), numerics=dataclasses.replace(FA, flash_attention=False))
 
 
 def test_weights_are_replicated_over_cp_and_the_optimizer_shards_over_dp_x_cp():

@@ -224,7 +224,7 @@ LOSS_FP32_COPIES = 4
 
 def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none",
-                      numerics: Numerics = Numerics(), cp: int = 1, ulysses: int = 1) -> dict[str, float]:
+                      numerics: Numerics = Numerics(), cp: tuple[int, int] = (1, 1)) -> dict[str, float]:
     """Activation elements of one decoder layer for one micro-batch: `stored` (kept for the backward pass) and
     `working` (re-materialised for one layer at a time in the backward pass when recomputing).
 
@@ -235,9 +235,10 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
       SwiGLU: w1 output (SiLU input), SiLU output, w3 output, their product (w2 input): 4 * s * f
     plus, without fused norm / SiLU kernels, the backward tensors MindSpore computes during the forward pass
     (early_backward_elements). Tensor parallel splits everything but the norm tensors, which sequence parallel splits
-    as well. Context parallelism (`cp` devices per sequence, `ulysses` of them Ulysses': labkit.layout.Layout)
-    counts all of this at sequence seq_len / cp and adds what its attention keeps and passes round
+    as well. Context parallelism (`cp`: devices per sequence and the Ulysses degree among them, labkit.layout.Layout's
+    cp and ulysses) counts all of this at sequence seq_len / cp and adds what its attention keeps and passes round
     (labkit.parallel.context_parallel.attention_elements); it needs flash attention."""
+    cp, ulysses = cp
     if cp > 1 and not numerics.flash_attention:
         raise LabkitError(f"context parallel (cp {cp}) without flash attention",
                           "mindformers allows cp > 1 only with flash attention (check_rules._check_parallel)")
@@ -322,7 +323,7 @@ def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n
     for name, st in stage_weights(cfg, layout.pp).items():
         states = model_states(cfg, layout, n, st, recompute)
         layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=layout.sequence_parallel,
-                                  recompute=recompute, numerics=n, cp=cp, ulysses=layout.ulysses)
+                                  recompute=recompute, numerics=n, cp=(cp, layout.ulysses))
         in_flight = min(layout.pp if name == "first" else 1, layout.accum)  # 1F1B: stage k holds p - k micro-batches
         loss = loss_activations(cfg, seq_len // cp, micro_batch, mp=mp, act_bytes=act,  # the loss over dp x cp
                                 fused_norm=n.fused_norm) if name != "first" else 0.0
