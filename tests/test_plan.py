@@ -258,7 +258,7 @@ runner_config:
 def test_yaml_mapping_equals_the_text_it_replaced(plan8):
     """Every planned strategy gives the same YAML document (parsed) as the f-string text did, key order included,
     and the written text parses back to the mapping (the text had no context parallelism: context_parallel 1 is the
-    one key added since; cp > 1 is tests/test_context_parallel.py's)."""
+    one key added since; cp > 1 is tests/test_cp_terms.py's)."""
     for row in (r for r in plan8["strategies"] if r.cp == 1):
         for mode, number in mf_yaml.PARALLEL_MODES.items():
             for search, seq_par in (("sharding_propagation", False), ("recursive_programming", True)):

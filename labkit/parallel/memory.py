@@ -8,7 +8,7 @@ Memory per device (bytes), for the most loaded pipeline stage:
                                            plus the backward tensors MindSpore computes during the forward pass)
   + framework overhead                     (a stated constant per device preset)
 With context parallelism (cp) every activation is counted at sequence s/cp plus what its attention adds
-(labkit.parallel.context_parallel); the weights are replicated over cp, the optimizer shards over dp x cp.
+(labkit.parallel.cp_terms); the weights are replicated over cp, the optimizer shards over dp x cp.
 bench/plan_calibration.py checks the activation terms against MindSpore's memory pool on CPU."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from labkit.errors import LabkitError
 from labkit.layout import RECOMPUTE, Layout
 from labkit.model.shapes import pipeline_layers
 from labkit.parallel import census
-from labkit.parallel.context_parallel import attention_elements
+from labkit.parallel.cp_terms import attention_elements
 from labkit.parallel.devices import GIB
 
 
@@ -237,7 +237,7 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
     (early_backward_elements). Tensor parallel splits everything but the norm tensors, which sequence parallel splits
     as well. Context parallelism (`cp`: devices per sequence and the Ulysses degree among them, labkit.layout.Layout's
     cp and ulysses) counts all of this at sequence seq_len / cp and adds what its attention keeps and passes round
-    (labkit.parallel.context_parallel.attention_elements); it needs flash attention."""
+    (labkit.parallel.cp_terms.attention_elements); it needs flash attention."""
     cp, ulysses = cp
     if cp > 1 and not numerics.flash_attention:
         raise LabkitError(f"context parallel (cp {cp}) without flash attention",

@@ -12,7 +12,7 @@ from labkit.config import AMP_LEVELS, ModelConfig, RunConfig, loss_scaled
 from labkit.errors import LabkitError
 from labkit.layout import Layout, OptimizerParallel, Recompute
 from labkit.model.llama import Backend, llama_config_kwargs
-from labkit.parallel.context_parallel import check_mindformers
+from labkit.parallel.cp_terms import check_mindformers
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}

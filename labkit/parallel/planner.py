@@ -5,7 +5,7 @@ msrun command (`labkit plan`: labkit.parallel.plan_cli).
 Memory per device: labkit.parallel.memory (weights, gradients, optimizer states, activations, overhead).
 Time per step: FLOPs (6 N per token + the attention term, recompute adds its forward) over peak x efficiency,
 plus tensor-parallel all-reduces, pipeline sends, context-parallel key/value passes or all-to-alls
-(labkit.parallel.context_parallel.comm_bytes) and the gradient all-reduce over dp x cp, over the preset's
+(labkit.parallel.cp_terms.comm_bytes) and the gradient all-reduce over dp x cp, over the preset's
 bandwidths (not overlapped with compute), plus the pipeline bubble (p - 1) / m.
 The same code models the CPU (precision fp32, no flash attention): bench/plan_calibration.py checks it there.
 """
@@ -20,7 +20,7 @@ from labkit.config import ModelConfig
 from labkit.errors import LabkitError
 from labkit.layout import RECOMPUTE, Layout, OptimizerParallel, Recompute
 from labkit.model.shapes import flops_per_token, num_params, param_counts
-from labkit.parallel import context_parallel
+from labkit.parallel import cp_terms
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.parallel.memory import Numerics, bytes_per_param, memory_breakdown, stage_params, wrapper_of
 
@@ -168,7 +168,7 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
     cp_t = 0.0
     if cp > 1:  # the ring's key/value blocks and Ulysses' all-to-alls, every layer of every micro-batch; mindformers'
         # device matrix is (dp, cp, mp): the cp group's devices are mp apart
-        c = context_parallel.comm_bytes(cfg, layout, st.seq_len, act_bytes, recompute)
+        c = cp_terms.comm_bytes(cfg, layout, st.seq_len, act_bytes, recompute)
         cp_t = (c["ring"] + c["all_to_all"]) * layers * accum / bw[mp * cp <= per_node]
     dp_t, replicas = 0.0, dp * cp  # the weights are replicated over dp x cp: their gradients are summed over it
     if replicas > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
@@ -187,7 +187,7 @@ def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, globa
 
     numerics: the amp level, flash attention (the fused kernels are the device's).
     constraints: pin any of Layout.KEYS (dp, mp, pp, cp, cp_algo, ulysses_degree, micro_batch, accum, recompute,
-        optimizer_shard; None = search it). cp is searched over context_parallel.CP_DEGREES with colossalai_cp and
+        optimizer_shard; None = search it). cp is searched over cp_terms.CP_DEGREES with colossalai_cp and
         ulysses_cp; hybrid_cp only when pinned.
     optimizer: MindSpore's parallel-optimizer settings for the candidates that shard (optimizer_shard)."""
     st = setting(machine, seq_len=seq_len, global_batch=global_batch, numerics=numerics,
@@ -245,7 +245,7 @@ def candidates(cfg: ModelConfig, st: Setting):
                 row = cand.row()
                 if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in Layout.KEYS):
                     continue
-                why = split or context_parallel.invalid(cfg, cand, st.seq_len, st.numerics.flash_attention)
+                why = split or cp_terms.invalid(cfg, cand, st.seq_len, st.numerics.flash_attention)
                 yield cand, why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
                                     if pp > 1 and accum < pp else None)
 
@@ -341,10 +341,10 @@ def _splits(devices: int, constraints: dict):
     """(dp, mp, pp, cp) with dp x mp x pp x cp = devices, each with the context-parallel algorithms to try
     ((cp_algo, ulysses_degree): the one mindformers default without cp)."""
     pinned = constraints.get("cp")
-    for cp in [pinned] if pinned is not None else context_parallel.CP_DEGREES:
+    for cp in [pinned] if pinned is not None else cp_terms.CP_DEGREES:
         if devices % cp:
             continue
-        algos = [constraints.get("cp_algo")] if constraints.get("cp_algo") else context_parallel.SEARCHED_ALGOS
+        algos = [constraints.get("cp_algo")] if constraints.get("cp_algo") else cp_terms.SEARCHED_ALGOS
         options = [("colossalai_cp", 1)] if cp == 1 else [
             (a, constraints.get("ulysses_degree") or 1 if a == "hybrid_cp" else 1) for a in algos]
         for mp in _divisors(devices // cp):

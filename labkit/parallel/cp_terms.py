@@ -1,6 +1,7 @@
-"""Context parallelism (cp): one sequence split over cp devices. What mindformers 1.9 accepts, what it adds to the
-memory of a decoder layer, and what it sends per layer. The planner (labkit.parallel.planner), the memory model
-(labkit.parallel.memory) and the YAML writer (labkit.parallel.mindformers_yaml) take their cp terms from here.
+"""The planner's terms for context parallelism (cp; the mechanism by hand is labkit.byhand): one sequence split over
+cp devices. What mindformers 1.9 accepts, what it adds to the memory of a decoder layer, and what it sends per layer.
+The planner (labkit.parallel.planner), the memory model (labkit.parallel.memory) and the YAML writer
+(labkit.parallel.mindformers_yaml) take their cp terms from here.
 
 Every device holds s/cp tokens of each sequence outside attention (mindformers shards the sequence axis cp ways:
 llama_transformer.py, LLamaAttention: wq/wk/wv.shard(((dp * cp, 1), (mp, 1))); llama.py, LlamaForCausalLM: the

@@ -1,4 +1,4 @@
-"""Context parallelism (labkit.parallel.context_parallel and its users): the layout's cp and algorithm, the config
+"""Context parallelism (labkit.parallel.cp_terms and its users): the layout's cp and algorithm, the config
 keys and their refusals, the memory and communication terms against their formulas, the planner's search over cp,
 the mindformers keys written and read back (and accepted by mindformers' own classes), `labkit plan --cp`, and the
 Llama-2-7B-at-32k table of notebook 07."""
@@ -18,7 +18,7 @@ import yaml
 from labkit.config import ParallelConfig, RunConfig, load, load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.layout import CP_ALGOS, Layout
-from labkit.parallel import context_parallel as C
+from labkit.parallel import cp_terms as C
 from labkit.parallel import memory
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel import planner as P
