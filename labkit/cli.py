@@ -26,7 +26,7 @@ COMMANDS = {
     "train": ("labkit.training.trainer", "train a mindformers Llama with MindSpore"),
     "generate": ("labkit.training.generate", "continue a prompt with a trained checkpoint (CPU sampler)"),
     "launch": ("labkit.launch.launcher", "start labkit train under msrun on N workers"),
-    "plan": ("labkit.parallel.planner", "plan the parallel strategy: memory and time per card"),
+    "plan": ("labkit.parallel.plan_cli", "plan the parallel strategy: memory and time per card"),
 }
 
 

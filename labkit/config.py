@@ -381,6 +381,10 @@ class ParallelConfig:
     dp: int | None = None  # data-parallel size; null = all workers (data_parallel) or the planner's choice
     mp: int = 1  # tensor (model) parallel size (semi_auto/auto only)
     pp: int = 1  # pipeline stages (semi_auto/auto only)
+    cp: int = 1  # context parallel: devices each sequence is split over (semi_auto/auto, flash attention only)
+    cp_algo: Literal["colossalai_cp", "ulysses_cp", "hybrid_cp"] = "colossalai_cp"  # mindformers'
+    # context_parallel_algo: key/value blocks round a ring, Ulysses' all-to-all head split, or both
+    ulysses_degree: int = 1  # hybrid_cp: the Ulysses part of cp (ulysses_degree_in_cp), dividing cp
     optimizer_shard: bool = False  # MindSpore's parallel optimizer (enable_parallel_optimizer; semi_auto/auto):
     # weights and optimizer states sharded over dp, gathered before use (labkit.layout.OptimizerParallel)
     optimizer_level: Literal["level1", "level2", "level3"] = "level1"  # parallel_optimizer_config.optimizer_level:
@@ -396,8 +400,14 @@ class ParallelConfig:
     # --cluster_time_out); then the job ends and the report names the node that never joined
 
     def validate(self, where: str = "parallel"):
-        _positive(self, where, "dp", "mp", "pp", "cluster_timeout_s")
+        _positive(self, where, "dp", "mp", "pp", "cp", "ulysses_degree", "cluster_timeout_s")
         self.optimizer().check(where)
+        Layout(cp=self.cp, cp_algo=self.cp_algo, ulysses_degree=self.ulysses_degree).check_context(where)
+        if self.cp > 1 and self.parallel_mode not in ("semi_auto_parallel", "auto_parallel"):
+            raise LabkitError(f"{where}.cp = {self.cp} needs parallel_mode semi_auto_parallel or auto_parallel, got "
+                              f"{self.parallel_mode or 'null (data_parallel)'}: mindformers resets context_parallel "
+                              "to 1 in the other modes (BaseTrainer._check_global_batch_size_for_auto_parallel)",
+                              f"set {where}.parallel_mode: semi_auto_parallel, or {where}.cp: 1")
 
     def optimizer(self) -> OptimizerParallel:
         """How MindSpore shards when optimizer_shard is on."""
@@ -428,8 +438,9 @@ class RunConfig:
     def layout(self) -> Layout:
         """The run's parallel layout (dp None: 1)."""
         t, p = self.train, self.parallel
-        return Layout(dp=p.dp or 1, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum,
-                      recompute=t.recompute, optimizer_shard=p.optimizer_shard, optimizer=p.optimizer())
+        return Layout(dp=p.dp or 1, mp=p.mp, pp=p.pp, cp=p.cp, cp_algo=p.cp_algo, ulysses_degree=p.ulysses_degree,
+                      micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
+                      optimizer_shard=p.optimizer_shard, optimizer=p.optimizer())
 
     def model_config(self) -> ModelConfig:
         """The model (`self.model`)."""

@@ -10,6 +10,9 @@ from labkit.errors import LabkitError
 RECOMPUTE = ("none", "selective", "full")  # the planner's modes, each for every decoder layer
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")  # MindSpore's parallel_optimizer_config.optimizer_level
 RECOMPUTE_FORMS = "none, all, last:K, first:K, A-B (layer index range, inclusive), selective or full"
+# mindformers 1.9's parallel_config.context_parallel_algo values (modules/transformer/transformer.py,
+# ContextParallelAlgo): a ring over key/value blocks, Ulysses' all-to-all (sequence split <-> head split), both
+CP_ALGOS = ("colossalai_cp", "ulysses_cp", "hybrid_cp")
 
 
 @dataclass(frozen=True)
@@ -150,9 +153,14 @@ class OptimizerParallel:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one training step is spread over devices: data, tensor (model) and pipeline parallel sizes, samples per
-    device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded over dp, and
-    sequence parallel (the norms' activations split over mp as well)."""
+    """How one training step is spread over devices: data, tensor (model), pipeline and context parallel sizes,
+    samples per device per micro-step and micro-steps per optimizer step, recomputation, optimizer states sharded
+    over dp (x cp), and sequence parallel (the norms' activations split over mp as well).
+
+    Context parallelism (`cp`, mindformers' parallel_config.context_parallel) splits every sequence over cp devices;
+    `cp_algo` is how attention sees the whole sequence (CP_ALGOS): colossalai_cp passes key/value blocks round a
+    ring, ulysses_cp swaps the sequence split for a head split with all-to-alls, hybrid_cp does Ulysses over
+    `ulysses_degree` (ulysses_degree_in_cp) devices and the ring over the rest. Weights are replicated over cp."""
 
     dp: int = 1
     mp: int = 1
@@ -163,12 +171,52 @@ class Layout:
     optimizer_shard: bool = False
     sequence_parallel: bool = False
     optimizer: OptimizerParallel = OptimizerParallel()  # how MindSpore shards when optimizer_shard is on
+    cp: int = 1  # context parallel: devices one sequence is split over
+    cp_algo: str = "colossalai_cp"  # one of CP_ALGOS (ignored with cp 1)
+    ulysses_degree: int = 1  # hybrid_cp only: the Ulysses part of cp (mindformers' ulysses_degree_in_cp)
 
-    KEYS = ("dp", "mp", "pp", "micro_batch", "accum", "recompute", "optimizer_shard")  # a planner row's layout
+    KEYS = ("dp", "mp", "pp", "cp", "cp_algo", "ulysses_degree", "micro_batch", "accum", "recompute",
+            "optimizer_shard")  # a planner row's layout
+    CP_DEFAULTS = {"cp": 1, "cp_algo": "colossalai_cp", "ulysses_degree": 1}  # for rows written before cp existed
 
     @property
     def devices(self) -> int:
-        return self.dp * self.mp * self.pp
+        """dp x mp x pp x cp: mindformers requires it to equal the device count (tools/check_rules.py,
+        _check_parallel)."""
+        return self.dp * self.mp * self.pp * self.cp
+
+    @property
+    def ulysses(self) -> int:
+        """The devices attention's all-to-all spreads heads over: mindformers' get_ulysses_cp_num
+        (modules/transformer/transformer.py, TransformerOpParallelConfig): 1 without cp or with colossalai_cp, cp
+        with ulysses_cp, ulysses_degree with hybrid_cp."""
+        if self.cp == 1 or self.cp_algo == "colossalai_cp":
+            return 1
+        return self.cp if self.cp_algo == "ulysses_cp" else self.ulysses_degree
+
+    @property
+    def ring(self) -> int:
+        """The devices key/value blocks circulate over: cp / ulysses (llama_transformer.py, LLamaAttention: cp_co)."""
+        return self.cp // self.ulysses
+
+    def check_context(self, where: str = "parallel") -> None:
+        """The context-parallel keys as mindformers 1.9 accepts them, before any model is known: cp a positive
+        integer (modules/transformer/op_parallel_config.py, OpParallelConfig: Validator.check_positive_int), the
+        algorithm one of its values (transformer.py, ContextParallelAlgo), and with hybrid_cp a Ulysses degree
+        dividing cp (transformer.py, TransformerOpParallelConfig._check_context_parallel raises ValueError)."""
+        if not isinstance(self.cp, int) or self.cp < 1:
+            raise LabkitError(f"{where}.cp = {self.cp!r} must be a positive integer", "use 1 (no context "
+                              "parallelism) or the devices to split each sequence over, e.g. 2, 4, 8")
+        if self.cp_algo not in CP_ALGOS:
+            raise LabkitError(f"{where}.cp_algo = {self.cp_algo!r} is not one of mindformers'",
+                              f"use {', '.join(CP_ALGOS)}")
+        if self.ulysses_degree < 1:
+            raise LabkitError(f"{where}.ulysses_degree = {self.ulysses_degree} must be >= 1",
+                              "give the Ulysses part of cp for hybrid_cp, else leave it 1")
+        if self.cp_algo == "hybrid_cp" and self.cp > 1 and self.cp % self.ulysses_degree:
+            raise LabkitError(f"{where}: cp {self.cp} is not divisible by ulysses_degree {self.ulysses_degree}: "
+                              "mindformers refuses it (TransformerOpParallelConfig._check_context_parallel)",
+                              f"choose a ulysses_degree dividing {self.cp}")
 
     @property
     def global_batch(self) -> int:
@@ -178,7 +226,8 @@ class Layout:
     def of(cls, row: dict, sequence_parallel: bool = False,
            optimizer: OptimizerParallel = OptimizerParallel()) -> Layout:
         """The layout of a planner row (or any mapping with the KEYS)."""
-        return cls(**{k: row[k] for k in cls.KEYS if k != "recompute"},
+        given = {**cls.CP_DEFAULTS, **row}
+        return cls(**{k: given[k] for k in cls.KEYS if k != "recompute"},
                    recompute=Recompute.parse(row["recompute"], "recompute"), sequence_parallel=sequence_parallel,
                    optimizer=optimizer)
 
@@ -186,5 +235,6 @@ class Layout:
         """The KEYS as a planner row holds them (recompute as text: the planner's mode when every layer does it)."""
         rc = self.recompute
         whole = rc.mode == "none" or (rc.start == 0 and rc.stop is None)
-        return {"dp": self.dp, "mp": self.mp, "pp": self.pp, "micro_batch": self.micro_batch, "accum": self.accum,
+        return {"dp": self.dp, "mp": self.mp, "pp": self.pp, "cp": self.cp, "cp_algo": self.cp_algo,
+                "ulysses_degree": self.ulysses_degree, "micro_batch": self.micro_batch, "accum": self.accum,
                 "recompute": rc.mode if whole else str(rc), "optimizer_shard": self.optimizer_shard}

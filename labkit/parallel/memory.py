@@ -7,6 +7,8 @@ Memory per device (bytes), for the most loaded pipeline stage:
   + activations                            (Korthikanti et al. 2022, counted tensor by tensor for a Llama layer,
                                            plus the backward tensors MindSpore computes during the forward pass)
   + framework overhead                     (a stated constant per device preset)
+With context parallelism (cp) every activation is counted at sequence s/cp plus what its attention adds
+(labkit.parallel.cp_terms); the weights are replicated over cp, the optimizer shards over dp x cp.
 bench/plan_calibration.py checks the activation terms against MindSpore's memory pool on CPU."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from labkit.errors import LabkitError
 from labkit.layout import RECOMPUTE, Layout
 from labkit.model.shapes import pipeline_layers
 from labkit.parallel import census
+from labkit.parallel.cp_terms import attention_elements
 from labkit.parallel.devices import GIB
 
 
@@ -138,10 +141,15 @@ def opt_shards(w: Weight, layout: Layout, case: dict, weight_bytes: float) -> in
     TensorLayout::GenerateOptShardSliceShape): off without optimizer_shard or data parallelism; skipped for a
     Parameter created with parallel_optimizer=False (the census: mindformers 1.9's Llama embedding and norms),
     for one smaller than parallel_optimizer_threshold (full shape x its dtype's bytes, KB), and when the first
-    axis, already split by mp there, does not divide by the shard count; only the first axis is sharded."""
-    if not layout.optimizer_shard or layout.dp == 1 or case["parallel_optimizer"].get(w.kind) != [True]:
+    axis, already split by mp there, does not divide by the shard count; only the first axis is sharded.
+    The shard group is every device holding the same slice of the weight (tensor_layout.cc,
+    TensorLayout::GenerateOptShardSliceShape: the device-matrix axes the weight's tensor map does not use). With
+    context parallelism mindformers' matmuls split their input over dp x cp and the weight over mp only
+    (llama_transformer.py: wq.shard(((dp * cp, 1), (mp, 1)))), so the group is dp x cp."""
+    group = layout.dp * layout.cp
+    if not layout.optimizer_shard or group == 1 or case["parallel_optimizer"].get(w.kind) != [True]:
         return 1
-    s = layout.optimizer.shard_size(layout.dp)
+    s = layout.optimizer.shard_size(group)
     if math.prod(w.shape) * weight_bytes < layout.optimizer.threshold_kb * 1024:
         return 1
     return s if w.shape[0] % ((layout.mp if w.split == 0 else 1) * s) == 0 else 1
@@ -216,7 +224,7 @@ LOSS_FP32_COPIES = 4
 
 def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none",
-                      numerics: Numerics = Numerics()) -> dict[str, float]:
+                      numerics: Numerics = Numerics(), cp: tuple[int, int] = (1, 1)) -> dict[str, float]:
     """Activation elements of one decoder layer for one micro-batch: `stored` (kept for the backward pass) and
     `working` (re-materialised for one layer at a time in the backward pass when recomputing).
 
@@ -227,7 +235,15 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
       SwiGLU: w1 output (SiLU input), SiLU output, w3 output, their product (w2 input): 4 * s * f
     plus, without fused norm / SiLU kernels, the backward tensors MindSpore computes during the forward pass
     (early_backward_elements). Tensor parallel splits everything but the norm tensors, which sequence parallel splits
-    as well."""
+    as well. Context parallelism (`cp`: devices per sequence and the Ulysses degree among them, labkit.layout.Layout's
+    cp and ulysses) counts all of this at sequence seq_len / cp and adds what its attention keeps and passes round
+    (labkit.parallel.cp_terms.attention_elements); it needs flash attention."""
+    cp, ulysses = cp
+    if cp > 1 and not numerics.flash_attention:
+        raise LabkitError(f"context parallel (cp {cp}) without flash attention",
+                          "mindformers allows cp > 1 only with flash attention (check_rules._check_parallel)")
+    extra = attention_elements(cfg, seq_len, micro_batch, mp=mp, cp=cp, ulysses=ulysses, act_bytes=numerics.act_bytes)
+    seq_len //= cp
     s, b, h, f, a = seq_len, micro_batch, cfg.hidden_size, cfg.ffn_size, cfg.num_heads
     sbh = s * b * h
     flash_attention, fused_norm = numerics.flash_attention, numerics.fused_norm
@@ -238,14 +254,14 @@ def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, *, mp: i
     scores = 0.0 if flash_attention else a * s * s * b
     stats = 2 * a * s * b if flash_attention else 0.0  # flash attention keeps softmax max and sum per row
     norms_dev = norms / mp if sequence_parallel else norms
-    full = norms_dev + (split + scores + stats) / mp
+    full = norms_dev + (split + scores + stats) / mp + extra["stored"]
     if recompute == "none":
-        return {"stored": full, "working": 0.0}
+        return {"stored": full, "working": extra["working"]}
     if recompute == "selective":  # recompute the attention core (scores, softmax) in the backward pass
-        return {"stored": full - scores / mp, "working": scores / mp}
+        return {"stored": full - scores / mp, "working": scores / mp + extra["working"]}
     if recompute == "full":  # keep only the layer input (and the first norm's early backward tensor, computed from it)
         kept = sbh + early["per_norm"]
-        return {"stored": kept / mp if sequence_parallel else kept, "working": full}
+        return {"stored": kept / mp if sequence_parallel else kept, "working": full + extra["working"]}
     raise LabkitError(f"recompute '{recompute}' is not known", f"use one of {', '.join(RECOMPUTE)}")
 
 
@@ -302,14 +318,14 @@ def memory_breakdown(cfg: ModelConfig, layout: Layout = Layout(), *, seq_len: in
 
 def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n: Numerics) -> dict:
     """memory_breakdown for one of the planner's modes, every layer alike; `total` without the overhead."""
-    mp, micro_batch, act = layout.mp, layout.micro_batch, n.act_bytes
+    mp, micro_batch, act, cp = layout.mp, layout.micro_batch, n.act_bytes, layout.cp
     worst = None
     for name, st in stage_weights(cfg, layout.pp).items():
         states = model_states(cfg, layout, n, st, recompute)
         layer = layer_activations(cfg, seq_len, micro_batch, mp=mp, sequence_parallel=layout.sequence_parallel,
-                                  recompute=recompute, numerics=n)
+                                  recompute=recompute, numerics=n, cp=(cp, layout.ulysses))
         in_flight = min(layout.pp if name == "first" else 1, layout.accum)  # 1F1B: stage k holds p - k micro-batches
-        loss = loss_activations(cfg, seq_len, micro_batch, mp=mp, act_bytes=act,
+        loss = loss_activations(cfg, seq_len // cp, micro_batch, mp=mp, act_bytes=act,  # the loss over dp x cp
                                 fused_norm=n.fused_norm) if name != "first" else 0.0
         mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, n.flash_attention) * act
         acts = in_flight * st["layers"] * layer["stored"] * act + mask + max(loss, layer["working"] * act)

@@ -12,6 +12,7 @@ from labkit.config import AMP_LEVELS, ModelConfig, RunConfig, loss_scaled
 from labkit.errors import LabkitError
 from labkit.layout import Layout, OptimizerParallel, Recompute
 from labkit.model.llama import Backend, llama_config_kwargs
+from labkit.parallel.cp_terms import check_mindformers
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
@@ -22,7 +23,10 @@ def mindformers_parallel_config(layout: Layout, *, parallel_mode: str = "semi_au
                                 search_mode: str = "sharding_propagation", num_layers: int | None = None) -> dict:
     """The `parallel`, `parallel_config`, `recompute_config` and `runner_config` blocks of a mindformers run YAML
     for a layout (keys as in mindformers r1.5.0 configs/llama2/pretrain_llama2_7b.yaml). `num_layers` is needed
-    only when the layout recomputes some layers (`last:K`...): mindformers counts them per pipeline stage."""
+    only when the layout recomputes some layers (`last:K`...): mindformers counts them per pipeline stage.
+    With context parallelism (layout.cp > 1) also a `model.model_config` block with the model's keys it needs
+    (context_model_keys); run_yaml merges it into the model's."""
+    layout.check_context("layout")
     if parallel_mode not in PARALLEL_MODES:
         raise LabkitError(f"parallel_mode '{parallel_mode}' is not known", f"use {', '.join(PARALLEL_MODES)}")
     if search_mode not in SEARCH_MODES:
@@ -46,21 +50,44 @@ def mindformers_parallel_config(layout: Layout, *, parallel_mode: str = "semi_au
                                                    "parallel_optimizer_threshold": opt.threshold_kb,
                                                    "optimizer_weight_shard_size": opt.weight_shard_size}},
         "parallel_config": {"data_parallel": s["dp"], "model_parallel": s["mp"], "pipeline_stage": s["pp"],
-                            "use_seq_parallel": bool(layout.sequence_parallel),
+                            **context_parallel_keys(layout), "use_seq_parallel": bool(layout.sequence_parallel),
                             "micro_batch_num": s["accum"] if pipeline else 1,
                             "vocab_emb_dp": True, "gradient_aggregation_group": 4},
         "micro_batch_interleave_num": 1,
         "recompute_config": {**rc, "parallel_optimizer_comm_recompute": opt.comm_recompute,
                              "mp_comm_recompute": True, "recompute_slice_activation": True},
         "runner_config": {"batch_size": s["micro_batch"], "gradient_accumulation_steps": 1 if pipeline else s["accum"]},
+        **({"model": {"model_config": context_model_keys(layout)}} if layout.cp > 1 else {}),
     }
+
+
+def context_parallel_keys(layout: Layout) -> dict:
+    """mindformers' parallel_config keys of a layout's context parallelism (modules/transformer/transformer.py,
+    TransformerOpParallelConfig): context_parallel always; context_parallel_algo with cp > 1 (with cp 1 mindformers
+    warns that it does not take effect); ulysses_degree_in_cp with hybrid_cp only (elsewhere it warns the same)."""
+    keys = {"context_parallel": layout.cp}
+    if layout.cp > 1:
+        keys["context_parallel_algo"] = layout.cp_algo
+        if layout.cp_algo == "hybrid_cp":
+            keys["ulysses_degree_in_cp"] = layout.ulysses_degree
+    return keys
+
+
+def context_model_keys(layout: Layout) -> dict:
+    """The model_config keys context parallelism needs: use_flash_attention (tools/check_rules.py, _check_parallel
+    refuses cp > 1 without it) and use_ring_attention when key/value blocks go round a ring (colossalai_cp, or
+    hybrid_cp with a ring part): without it mindformers' FlashAttention gathers the whole key/value sequence on
+    every device instead (modules/flash_attention.py, FlashAttention._generate_flash_attention_strategy: key/value
+    split (dp, 1, mp) unless use_ring_attention, then (dp, cp, mp))."""
+    return {"use_flash_attention": True, "use_ring_attention": layout.ring > 1}
 
 
 def mindformers_parallel_yaml(layout: Layout, **options) -> str:
     """mindformers_parallel_config() as YAML text, under a comment naming the plan and the less obvious keys."""
     doc = mindformers_parallel_config(layout, **options)
     s = layout.row()
-    head = (f"# planned: dp={s['dp']} mp={s['mp']} pp={s['pp']}, micro_batch {s['micro_batch']} x {s['accum']} "
+    head = (f"# planned: dp={s['dp']} mp={s['mp']} pp={s['pp']} cp={s['cp']}"
+            + (f" ({s['cp_algo']})" if s["cp"] > 1 else "") + f", micro_batch {s['micro_batch']} x {s['accum']} "
             f"micro-steps, recompute {s['recompute']}, optimizer_shard {s['optimizer_shard']}\n"
             "# parallel_mode: 0 data, 1 semi-auto, 2 auto parallel; search_mode: used by auto_parallel only;\n"
             "# enable_parallel_optimizer: shard optimizer states (and weights) over dp; micro_batch_num: pipeline\n"
@@ -73,13 +100,19 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
     """A labkit run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
     available in the installed mindformers 1.9.0): the model computing as `cfg.train.amp_level` says
     (labkit.config.AMP_LEVELS), the optimizer, the schedule, the data and `layout`'s parallel blocks.
-    `max_device_memory_gib` is the memory pool MindSpore may take per device (None on CPU: not set)."""
+    `max_device_memory_gib` is the memory pool MindSpore may take per device (None on CPU: not set).
+    A context-parallel layout is checked against mindformers' own rules first (context_parallel.check_mindformers)."""
     t, p = cfg.train, cfg.parallel
     model = model or cfg.model
     mode = p.parallel_mode if p.parallel_mode in PARALLEL_MODES else "data_parallel"
     par = mindformers_parallel_config(layout, parallel_mode=mode, search_mode=p.search_mode,
                                       num_layers=model.num_layers)
     par["use_parallel"] = devices > 1
+    model_config = llama_config_kwargs(model, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
+                                       backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))
+    model_config.update(par.pop("model", {}).get("model_config", {}))
+    check_mindformers(model, layout, seq_len=cfg.data.seq_len, parallel_mode=mode,
+                      flash_attention=model_config["use_flash_attention"] and p.device_target == "Ascend")
     dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": cfg.data.dataset or "",
                                "shuffle": cfg.data.shuffle},
                "input_columns": ["input_ids"], "num_parallel_workers": cfg.data.num_parallel_workers,
@@ -105,10 +138,7 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
         "train_dataset_task": {"type": "CausalLanguageModelDataset", "dataset_config": dataset},
         **par,
         "context": context,
-        "model": {"model_config": {"type": "LlamaConfig", **llama_config_kwargs(
-            model, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
-            backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))},
-                  "arch": {"type": "LlamaForCausalLM"}},
+        "model": {"model_config": {"type": "LlamaConfig", **model_config}, "arch": {"type": "LlamaForCausalLM"}},
         "processor": {"return_tensors": "ms", "type": "LlamaProcessor",
                       "tokenizer": {"type": "LlamaTokenizer", "pad_token": "<unk>",
                                     "vocab_file": str(Path(cfg.data.tokenizer) / "tokenizer.model")}},
@@ -187,8 +217,10 @@ def read_run_yaml(path) -> dict:
     """What the planner needs from a mindformers run YAML, read from the keys mindformers reads: the model
     (`model.model_config`), the layout (`parallel_config`, `runner_config`, `parallel.enable_parallel_optimizer`,
     `parallel_optimizer_config`, `recompute_config`), the amp level whose dtypes the model_config carries, the
-    sequence length, flash attention and the memory pool (`context.max_device_memory`, GiB, None if unset).
-    Returns {model, layout, amp_level, seq_len, flash_attention, max_device_memory_gib}."""
+    sequence length, flash attention, ring attention and the memory pool (`context.max_device_memory`, GiB, None if
+    unset). The layout's context parallelism from parallel_config's context_parallel, context_parallel_algo and
+    ulysses_degree_in_cp, with mindformers' defaults (1, colossalai_cp, 1) where a key is missing.
+    Returns {model, layout, amp_level, seq_len, flash_attention, ring_attention, max_device_memory_gib}."""
     doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     try:
         mc, par, pc = doc["model"]["model_config"], doc["parallel"], doc["parallel_config"]
@@ -219,7 +251,9 @@ def read_run_yaml(path) -> dict:
                     micro_batch=int(run["batch_size"]), accum=accum,
                     recompute=Recompute("selective") if rc.get("select_recompute") else Recompute.parse(recompute),
                     optimizer_shard=bool(par.get("enable_parallel_optimizer")),
-                    sequence_parallel=bool(pc.get("use_seq_parallel")),
+                    sequence_parallel=bool(pc.get("use_seq_parallel")), cp=int(pc.get("context_parallel", 1)),
+                    cp_algo=str(pc.get("context_parallel_algo", "colossalai_cp")),
+                    ulysses_degree=int(pc.get("ulysses_degree_in_cp", 1)),
                     optimizer=OptimizerParallel(
                         level=opc.get("optimizer_level", default.level),
                         gradient_accumulation_shard=bool(opc.get("gradient_accumulation_shard")),
@@ -228,5 +262,5 @@ def read_run_yaml(path) -> dict:
                         comm_recompute=bool(rc.get("parallel_optimizer_comm_recompute"))))
     pool = (doc.get("context") or {}).get("max_device_memory")
     return {"model": model, "layout": layout, "amp_level": level, "seq_len": int(mc["seq_length"]),
-            "flash_attention": bool(mc.get("use_flash_attention")),
+            "flash_attention": bool(mc.get("use_flash_attention")), "ring_attention": bool(mc.get("use_ring_attention")),
             "max_device_memory_gib": float(str(pool).upper().removesuffix("GB")) if pool else None}

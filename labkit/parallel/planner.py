@@ -1,9 +1,11 @@
-"""The parallel-strategy planner: memory and time per device for every dp x mp x pp split, micro-batch,
-accumulation, recomputation and optimizer sharding; the best one as mindformers YAML and an msrun command.
+"""The parallel-strategy planner: memory and time per device for every dp x mp x pp x cp split, context-parallel
+algorithm, micro-batch, accumulation, recomputation and optimizer sharding; the best one as mindformers YAML and an
+msrun command (`labkit plan`: labkit.parallel.plan_cli).
 
 Memory per device: labkit.parallel.memory (weights, gradients, optimizer states, activations, overhead).
 Time per step: FLOPs (6 N per token + the attention term, recompute adds its forward) over peak x efficiency,
-plus tensor-parallel all-reduces, pipeline sends and the data-parallel gradient all-reduce over the preset's
+plus tensor-parallel all-reduces, pipeline sends, context-parallel key/value passes or all-to-alls
+(labkit.parallel.cp_terms.comm_bytes) and the gradient all-reduce over dp x cp, over the preset's
 bandwidths (not overlapped with compute), plus the pipeline bubble (p - 1) / m.
 The same code models the CPU (precision fp32, no flash attention): bench/plan_calibration.py checks it there.
 """
@@ -14,16 +16,13 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from labkit.config import ModelConfig, model_from_section, model_preset, read_yaml
+from labkit.config import ModelConfig
 from labkit.errors import LabkitError
-from labkit.config import AMP_LEVELS
-from labkit.layout import OPTIMIZER_LEVELS, RECOMPUTE, Layout, OptimizerParallel, Recompute
+from labkit.layout import RECOMPUTE, Layout, OptimizerParallel, Recompute
 from labkit.model.shapes import flops_per_token, num_params, param_counts
-from labkit.output import add_common_flags, emit
+from labkit.parallel import cp_terms
 from labkit.parallel.devices import GIB, Device, device_preset
 from labkit.parallel.memory import Numerics, bytes_per_param, memory_breakdown, stage_params, wrapper_of
-from labkit.parallel.mindformers_yaml import mindformers_parallel_yaml
-from labkit.parallel.msrun import msrun_command
 
 DEFAULT_EFFICIENCY = 0.5  # achievable fraction of peak for the matmuls (Megatron 44-52%, mindformers 7B ~53% MFU)
 DEFAULT_GLOBAL_BATCH = 64  # sequences per step: mindformers' Llama-2-7B recipe (dp 8 x batch 1 x accum 8)
@@ -96,7 +95,7 @@ class Strategy:
     stage: str  # only, first or last
     params_per_device: int
     step_time_s: float
-    time_s: dict  # by part: compute, bubble, tp_comm, pp_comm, dp_comm
+    time_s: dict  # by part: compute, bubble, tp_comm, pp_comm, cp_comm, dp_comm
     tokens_per_s: float
     tokens_per_s_per_device: float
     mfu: float
@@ -106,6 +105,7 @@ class Strategy:
     dp = property(lambda self: self.layout.dp)
     mp = property(lambda self: self.layout.mp)
     pp = property(lambda self: self.layout.pp)
+    cp = property(lambda self: self.layout.cp)
     micro_batch = property(lambda self: self.layout.micro_batch)
     accum = property(lambda self: self.layout.accum)
     optimizer_shard = property(lambda self: self.layout.optimizer_shard)
@@ -145,7 +145,7 @@ def step_time(cfg: ModelConfig, layout: Layout, st: Setting) -> dict:
 
 def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -> dict[str, float]:
     """Seconds per step by part for one of the planner's modes, every layer alike."""
-    dp, mp, pp, accum = layout.dp, layout.mp, layout.pp, layout.accum
+    dp, mp, pp, cp, accum = layout.dp, layout.mp, layout.pp, layout.cp, layout.accum
     act_bytes = st.numerics.act_bytes
     grad_bytes = bytes_per_param(st.numerics.amp_level, wrapper_of(layout))["gradients"]
     devices = layout.devices
@@ -155,7 +155,8 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
     compute = tokens * fpt["hardware"] / devices / (st.peak_tflops * 1e12 * st.efficiency)
     bubble = compute * (pp - 1) / accum
     layers = math.ceil(cfg.num_layers / pp)
-    act_msg = layout.micro_batch * st.seq_len * cfg.hidden_size * act_bytes  # one activation tensor of a micro-batch
+    # one activation tensor of a micro-batch on one device: its s / cp tokens
+    act_msg = layout.micro_batch * st.seq_len / cp * cfg.hidden_size * act_bytes
     bw = {True: st.device.intra_node_gbps * 1e9, False: st.device.inter_node_gbps * 1e9}
     tp = 0.0
     if mp > 1:  # 2 all-reduces forward, 2 backward per layer (Megatron); full recompute repeats the forward 2
@@ -164,11 +165,16 @@ def _time_parts(cfg: ModelConfig, layout: Layout, st: Setting, recompute: str) -
     pp_t = 0.0
     if pp > 1:  # each micro-batch: activations forward, their gradients backward, across one stage boundary
         pp_t = 2 * accum * act_msg / (mp if layout.sequence_parallel else 1) / bw[devices <= per_node]
-    dp_t = 0.0
-    if dp > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
+    cp_t = 0.0
+    if cp > 1:  # the ring's key/value blocks and Ulysses' all-to-alls, every layer of every micro-batch; mindformers'
+        # device matrix is (dp, cp, mp): the cp group's devices are mp apart
+        c = cp_terms.comm_bytes(cfg, layout, st.seq_len, act_bytes, recompute)
+        cp_t = (c["ring"] + c["all_to_all"]) * layers * accum / bw[mp * cp <= per_node]
+    dp_t, replicas = 0.0, dp * cp  # the weights are replicated over dp x cp: their gradients are summed over it
+    if replicas > 1:  # ring all-reduce of the gradients (sharded: reduce-scatter + all-gather, the same volume)
         params = max(s["params"] for s in stage_params(cfg, mp, pp).values())
-        dp_t = 2 * (dp - 1) / dp * params * grad_bytes / bw[dp * mp <= per_node]
-    return {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_comm": pp_t, "dp_comm": dp_t}
+        dp_t = 2 * (replicas - 1) / replicas * params * grad_bytes / bw[replicas * mp <= per_node]
+    return {"compute": compute, "bubble": bubble, "tp_comm": tp, "pp_comm": pp_t, "cp_comm": cp_t, "dp_comm": dp_t}
 
 
 # ------------------------------------------------------------------------------------------------- search
@@ -180,7 +186,9 @@ def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, globa
     """Every strategy for the machine's devices, ranked by predicted throughput.
 
     numerics: the amp level, flash attention (the fused kernels are the device's).
-    constraints: pin any of dp, mp, pp, micro_batch, accum, recompute, optimizer_shard (None = search it).
+    constraints: pin any of Layout.KEYS (dp, mp, pp, cp, cp_algo, ulysses_degree, micro_batch, accum, recompute,
+        optimizer_shard; None = search it). cp is searched over cp_terms.CP_DEGREES with colossalai_cp and
+        ulysses_cp; hybrid_cp only when pinned.
     optimizer: MindSpore's parallel-optimizer settings for the candidates that shard (optimizer_shard)."""
     st = setting(machine, seq_len=seq_len, global_batch=global_batch, numerics=numerics,
                  sequence_parallel=sequence_parallel, constraints=constraints, optimizer=optimizer)
@@ -226,17 +234,18 @@ def setting(machine: Machine, *, seq_len: int, global_batch: int | None, numeric
 def candidates(cfg: ModelConfig, st: Setting):
     """(layout, None) for each candidate the constraints allow, or (layout, why it cannot run)."""
     g = st.global_batch
-    for dp, mp, pp in _splits(st.devices):
-        why = _invalid_split(cfg, g, dp, mp, pp)
+    for (dp, mp, pp, cp), (algo, ulysses) in _splits(st.devices, st.constraints):
+        split = _invalid_split(cfg, g, dp, mp, pp)
         for mb in _divisors(g // dp) if g % dp == 0 else [None]:
             accum = g // dp // mb if mb else None
-            for rc, osh in itertools.product(RECOMPUTE, (False, True) if dp > 1 else (False,)):
-                cand = Layout(dp=dp, mp=mp, pp=pp, micro_batch=mb, accum=accum, recompute=Recompute(rc),
-                              optimizer_shard=osh, sequence_parallel=st.sequence_parallel and mp > 1,
-                              optimizer=st.optimizer)
+            for rc, osh in itertools.product(RECOMPUTE, (False, True) if dp * cp > 1 else (False,)):
+                cand = Layout(dp=dp, mp=mp, pp=pp, cp=cp, cp_algo=algo, ulysses_degree=ulysses, micro_batch=mb,
+                              accum=accum, recompute=Recompute(rc), optimizer_shard=osh,
+                              sequence_parallel=st.sequence_parallel and mp > 1, optimizer=st.optimizer)
                 row = cand.row()
                 if any(st.constraints.get(k) is not None and row[k] != st.constraints[k] for k in Layout.KEYS):
                     continue
+                why = split or cp_terms.invalid(cfg, cand, st.seq_len, st.numerics.flash_attention)
                 yield cand, why or (f"pipeline needs micro-batches >= stages (accum {accum} < pp {pp})"
                                     if pp > 1 and accum < pp else None)
 
@@ -301,7 +310,7 @@ def _result(cfg: ModelConfig, st: Setting, strategies: list, skipped: dict) -> d
             "sequence_parallel": st.sequence_parallel,
             "optimizer_parallel": dataclasses.asdict(st.optimizer), "fit_margin_gib": FIT_MARGIN_GIB,
             "schedule": "1F1B (stage k holds p - k micro-batches)",
-            "communication": "not overlapped with compute; placement mp innermost, then dp, then pp",
+            "communication": "not overlapped with compute; placement mp innermost, then cp, then dp, then pp",
             "flops_per_token": flops_per_token(cfg, st.seq_len),
         },
         "constraints": {k: v for k, v in st.constraints.items() if v is not None},
@@ -328,10 +337,20 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
             f"{smallest.memory_gib['total']:.1f} GiB{hint}")
 
 
-def _splits(devices: int):
-    for mp in _divisors(devices):
-        for pp in _divisors(devices // mp):
-            yield devices // mp // pp, mp, pp
+def _splits(devices: int, constraints: dict):
+    """(dp, mp, pp, cp) with dp x mp x pp x cp = devices, each with the context-parallel algorithms to try
+    ((cp_algo, ulysses_degree): the one mindformers default without cp)."""
+    pinned = constraints.get("cp")
+    for cp in [pinned] if pinned is not None else cp_terms.CP_DEGREES:
+        if devices % cp:
+            continue
+        algos = [constraints.get("cp_algo")] if constraints.get("cp_algo") else cp_terms.SEARCHED_ALGOS
+        options = [("colossalai_cp", 1)] if cp == 1 else [
+            (a, constraints.get("ulysses_degree") or 1 if a == "hybrid_cp" else 1) for a in algos]
+        for mp in _divisors(devices // cp):
+            for pp in _divisors(devices // cp // mp):
+                for option in options:
+                    yield (devices // cp // mp // pp, mp, pp, cp), option
 
 
 def _divisors(n: int) -> list[int]:
@@ -355,6 +374,10 @@ def _check_constraints(constraints: dict | None) -> dict:
     unknown = set(constraints) - set(Layout.KEYS)
     if unknown:
         raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(Layout.KEYS)}")
+    if constraints.get("cp") == 1:  # the algorithm does not matter without cp (mindformers ignores it, warning)
+        constraints.pop("cp_algo", None), constraints.pop("ulysses_degree", None)
+    pinned = {k: constraints[k] for k in Layout.CP_DEFAULTS if constraints.get(k) is not None}
+    Layout(**{**Layout.CP_DEFAULTS, **pinned}).check_context("constraint")
     rc = constraints.get("recompute")
     if rc is not None:
         rc = Layout(recompute=Recompute.parse(rc, "constraint recompute")).row()["recompute"]
@@ -374,13 +397,13 @@ def _rounded(d: dict, nd: int = 3) -> dict:
 
 def format_table(result: dict, top: int = 15) -> str:
     """The ranked strategies as a text table (fitting ones first)."""
-    head = (f"{'dp':>3} {'mp':>3} {'pp':>3} {'mb':>3} {'acc':>4} {'recompute':>9} {'zero':>4} "
+    head = (f"{'dp':>3} {'mp':>3} {'pp':>3} {'cp':>3} {'mb':>3} {'acc':>4} {'recompute':>9} {'zero':>4} "
             f"{'GiB':>7} {'states':>7} {'acts':>6} {'step s':>8} {'tok/s/dev':>9} {'MFU':>5}  fits")
     lines = [head, "-" * len(head)]
     for r in result["strategies"][:top]:
         m = r.memory_gib
         states = states_gib(m) + m["copies"]
-        lines.append(f"{r.dp:>3} {r.mp:>3} {r.pp:>3} {r.micro_batch:>3} {r.accum:>4} "
+        lines.append(f"{r.dp:>3} {r.mp:>3} {r.pp:>3} {cp_text(r.layout):>3} {r.micro_batch:>3} {r.accum:>4} "
                      f"{r.recompute:>9} {'on' if r.optimizer_shard else '-':>4} {m['total']:>7.1f} "
                      f"{states:>7.1f} {m['activations']:>6.1f} {r.step_time_s:>8.2f} "
                      f"{r.tokens_per_s_per_device:>9.0f} {r.mfu:>5.0%}  {'yes' if r.fits else 'no'}")
@@ -388,6 +411,12 @@ def format_table(result: dict, top: int = 15) -> str:
     if more > 0:
         lines.append(f"... {more} more (--top N or --json for all)")
     return "\n".join(lines)
+
+
+def cp_text(layout: Layout) -> str:
+    """The context parallelism of a layout in a table cell: 1, or cp with r (ring: colossalai_cp), u (ulysses_cp)
+    or h (hybrid_cp)."""
+    return "1" if layout.cp == 1 else f"{layout.cp}{layout.cp_algo[0] if layout.cp_algo != 'colossalai_cp' else 'r'}"
 
 
 def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit: int = 12):
@@ -407,94 +436,9 @@ def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit
     ax.axhline(result["device_memory_gib"], color="k", ls="--", lw=1, label="device memory")
     ax.set_ylim(0, max(max(bottom, default=0), result["device_memory_gib"]) * 1.3)  # room for the legend
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}\n{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
+    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}{'/' + cp_text(r.layout) if r.cp > 1 else ''}\n{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
                         f"\nmb{r.micro_batch}" for r in rows], fontsize=7)
     ax.set_ylabel("GiB per device")
-    ax.set_xlabel("dp/mp/pp, recompute, Z = optimizer shard, micro-batch")
+    ax.set_xlabel("dp/mp/pp[/cp], recompute, Z = optimizer shard, micro-batch")
     ax.legend(fontsize=7, ncol=3)
     return ax
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-
-
-def model_from_config_file(path) -> tuple[ModelConfig, dict]:
-    """The model of a labkit run config (its `model:` section: `preset: NAME` plus overrides, or ModelConfig
-    fields) and the few other values the planner can use (data.seq_len, train.amp_level, parallel.optimizer_level)."""
-    data = read_yaml(path)
-    section = data.get("model")
-    if not isinstance(section, dict):
-        raise LabkitError(f"{path} has no 'model:' section", "add model: {preset: tiny} or the ModelConfig fields")
-    try:
-        cfg = model_from_section(section)
-    except LabkitError as e:
-        raise LabkitError(f"{path}: {e.what}", e.fix) from None
-    extra = {}
-    seq = (data.get("data") or {}).get("seq_len") if isinstance(data.get("data"), dict) else None
-    if seq:
-        extra["seq_len"] = int(seq)
-    train, par = data.get("train"), data.get("parallel")
-    if isinstance(train, dict) and train.get("amp_level") in AMP_LEVELS:
-        extra["amp_level"] = train["amp_level"]
-    if isinstance(par, dict) and par.get("optimizer_level"):
-        extra["optimizer_level"] = par["optimizer_level"]
-    return cfg, extra
-
-
-def add_cli(parser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="model preset (tiny, llama_100m, llama2_7b)")
-    src.add_argument("--config", help="a labkit run config YAML with a model: section")
-    parser.add_argument("--devices", type=int, required=True, help="number of devices (cards)")
-    parser.add_argument("--device-memory", type=float, required=True, help="memory per device, GiB")
-    parser.add_argument("--device", default="atlas_800t_a2", help="device preset for peak FLOP/s and bandwidth "
-                        "(atlas_800t_a2, a100_80g, h100_80g, h200_141g, cpu)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096, or the "
-                        "config's data.seq_len)")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help=f"sequences per optimizer step (default {DEFAULT_GLOBAL_BATCH})")
-    parser.add_argument("--amp-level", default=None, choices=list(AMP_LEVELS),
-                        help="mixed precision, the dtypes of labkit.config.AMP_LEVELS (default: the config's, else "
-                             "fp16, mindformers' recipe; O0 with --device cpu)")
-    parser.add_argument("--optimizer-level", default=None, choices=OPTIMIZER_LEVELS,
-                        help="MindSpore's parallel_optimizer_config.optimizer_level for strategies that shard "
-                             "(default level1, or the config's)")
-    parser.add_argument("--nodes", type=int, default=None, help="servers (default: from the preset's devices per node)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="override the preset's peak (TFLOP/s)")
-    parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
-    parser.add_argument("--no-flash-attention", action="store_true", help="model attention without flash attention")
-    parser.add_argument("--top", type=int, default=15, help="rows of the table (human output)")
-    add_common_flags(parser, "print one JSON object")
-    parser.set_defaults(func=_cli)
-
-
-def _cli(args) -> int:
-    if args.preset:
-        cfg, extra = model_preset(args.preset), {}
-    else:
-        cfg, extra = model_from_config_file(args.config)
-    seq = args.seq_len or extra.get("seq_len") or 4096
-    amp = args.amp_level or extra.get("amp_level") or ("O0" if args.device == "cpu" else "fp16")
-    machine = Machine(args.devices, args.device_memory, device=args.device, nodes=args.nodes,
-                      peak_tflops=args.peak_tflops, efficiency=args.efficiency)
-    result = plan(cfg, machine, seq_len=seq, global_batch=args.global_batch,
-                  numerics=Numerics(amp_level=amp,
-                                    flash_attention=not args.no_flash_attention and args.device != "cpu"),
-                  optimizer=OptimizerParallel(level=args.optimizer_level or extra.get("optimizer_level", "level1")))
-    best = result["best"]
-    if best:
-        result["mindformers_yaml"] = mindformers_parallel_yaml(best.layout)
-        result["msrun"] = msrun_command(best.layout, result["nodes"])
-    text = [f"{cfg.name}: {result['params']:,} parameters; {args.devices} x {args.device_memory:g} GiB "
-            f"({result['device']}, peak {result['peak_tflops']:g} TFLOP/s {result['precision']}, amp_level {amp}, "
-            f"efficiency {args.efficiency:g}); seq {seq}, global batch {result['global_batch']}",
-            f"bytes per parameter: {result['assumptions']['bytes_per_param']}",
-            "", format_table(result, args.top), ""]
-    if best:
-        text += ["best:", result["mindformers_yaml"], result["msrun"]]
-    else:
-        text.append(f"no strategy fits: {result['why']}")
-    as_json = {**result, "strategies": [r.to_dict() for r in result["strategies"]],
-               "best": best.to_dict() if best else None}
-    emit(args, {"ok": True, **as_json}, "\n".join(text))
-    return 0

@@ -60,7 +60,8 @@ def dp_size(cfg: RunConfig, world: World) -> int:
         return world.size
     if world.mode == "stand_alone":
         return 1
-    return cfg.parallel.dp or world.size // (cfg.parallel.mp * cfg.parallel.pp)
+    p = cfg.parallel
+    return p.dp or world.size // (p.mp * p.pp * p.cp)
 
 
 def check_batch(cfg: RunConfig, dp: int) -> int:

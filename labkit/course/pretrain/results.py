@@ -2,6 +2,7 @@
 the two Llama-2-7B recipes compared by the planner."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,12 +14,13 @@ from labkit.course.pretrain.params import SEED_AS_WRITTEN
 from labkit.course.pretrain.planner_view import estimate
 from labkit.course.pretrain.runspec import PretrainRun
 from labkit.errors import LabkitError
-from labkit.layout import Layout
 from labkit.logs import quiet_mindformers
 from labkit.model.llama import backend_flags, count_parameters
 from labkit.model.shapes import expected_hf_shapes, num_params
 from labkit.parallel.devices import device_preset
-from labkit.parallel.planner import Machine
+from labkit.parallel import mindformers_yaml as mf_yaml
+from labkit.parallel.memory import Numerics
+from labkit.parallel.planner import Machine, cp_text, plan
 from labkit.training import checkpoint
 from labkit.training.metrics import health, read_metrics, steady
 from labkit.weights.name_map import hf_to_ms
@@ -146,10 +148,9 @@ def recipe_row(name: str, config: str, overrides: dict | None = None, *, devices
     model, t, p = cfg.model_config(), cfg.train, cfg.parallel
     dev = device_preset(device)
     memory = memory_gib or dev.memory_gib
-    dp = p.dp or devices // (p.mp * p.pp)
+    dp = p.dp or devices // (p.mp * p.pp * p.cp)
     machine = Machine(devices, memory, device=dev, nodes=max(1, devices // dev.devices_per_node))
-    layout = Layout(dp=dp, mp=p.mp, pp=p.pp, micro_batch=t.micro_batch, accum=t.accum, recompute=t.recompute,
-                    optimizer_shard=p.optimizer_shard, optimizer=p.optimizer())
+    layout = dataclasses.replace(cfg.layout(), dp=dp)
     flash = backend_flags(p.device_target if device != "cpu" else "CPU").use_flash_attention
     row = estimate(model, machine, layout, seq_len=cfg.data.seq_len, amp_level=t.amp_level, flash_attention=flash)
     m = row.memory_gib
@@ -224,3 +225,54 @@ def cluster_checks(strategy) -> list[dict]:
     return [{"to check": what, "how": how,
              "planner says": f"{strategy.step_time_s:.2f} s/step" if part == "step time" else f"{m[part]:.1f} GiB"}
             for what, how, part in CLUSTER_CHECKS]
+
+
+# ---------------------------------------------------------------------------------- Llama-2-7B at 32k tokens
+
+LONG_CONTEXT = {"none": "no context parallelism", "colossalai_cp": "ring (colossalai_cp)",
+                "ulysses_cp": "Ulysses (ulysses_cp)"}
+
+
+def long_context_rows(seq_len: int = 32768, devices=(8, 16), *, global_batch: int = 8,
+                      config: str = "configs/llama2_7b_mindformers.yaml", device: str = "atlas_800t_a2") -> list[dict]:
+    """Llama-2-7B at `seq_len` tokens on 8 and 16 cards of `device` (mindformers' recipe's amp level, flash
+    attention): per card count, the planner's best layout without context parallelism, with the ring and with
+    Ulysses (best over cp 2, 4, 8 and everything else), whether it fits, GiB per card, the layout, throughput, the
+    context-parallel keys the mindformers run YAML gets, and that whole YAML (`run_yaml`, written by
+    mindformers_yaml.run_yaml after its mindformers checks). `global_batch` sequences per step: 8 x 32768 is the
+    recipe's 64 x 4096 tokens per step."""
+    base = load_run_config(config)
+    model, amp = base.model_config(), base.train.amp_level
+    dev = device_preset(device)
+    rows = []
+    for n in devices:
+        machine = Machine(n, dev.memory_gib, device=dev, nodes=max(1, n // dev.devices_per_node))
+        for kind, label in LONG_CONTEXT.items():
+            pins = {"cp": 1} if kind == "none" else {"cp_algo": kind}
+            res = plan(model, machine, seq_len=seq_len, global_batch=global_batch, constraints=pins,
+                       numerics=Numerics(amp_level=amp, flash_attention=True), optimizer=base.parallel.optimizer())
+            ranked = [r for r in res["strategies"] if (r.cp == 1) == (kind == "none")]
+            best = next((r for r in ranked if r.fits), None) or min(ranked, key=lambda r: r.memory_gib["total"])
+            rows.append(_long_context_row(base, best, n, label, seq_len))
+    return rows
+
+
+def _long_context_row(base, best, devices: int, label: str, seq_len: int) -> dict:
+    lay = best.layout
+    values = {"data.seq_len": seq_len, "parallel.dp": lay.dp, "parallel.mp": lay.mp, "parallel.pp": lay.pp,
+              "parallel.cp": lay.cp, "parallel.cp_algo": lay.cp_algo, "parallel.ulysses_degree": lay.ulysses_degree,
+              "parallel.optimizer_shard": lay.optimizer_shard, "train.micro_batch": lay.micro_batch,
+              "train.accum": lay.accum, "train.global_batch": lay.global_batch, "train.recompute": str(lay.recompute)}
+    cfg = load_run_config(base, values=values)
+    doc = mf_yaml.run_yaml(cfg, lay, devices=devices)
+    pc, mc = doc["parallel_config"], doc["model"]["model_config"]
+    keys = {k: pc[k] for k in ("context_parallel", "context_parallel_algo", "ulysses_degree_in_cp") if k in pc}
+    keys.update({k: mc[k] for k in ("use_flash_attention", "use_ring_attention") if k in mc})
+    m = best.memory_gib
+    return {"cards": devices, "attention": label, "fits": best.fits, "GiB per card": round(m["total"], 1),
+            "activations GiB": round(m["activations"], 1),
+            "layout": f"dp {lay.dp} x mp {lay.mp} x pp {lay.pp} x cp {cp_text(lay)}",
+            "batch": f"{lay.micro_batch} x {lay.dp} x {lay.accum}", "recompute": best.recompute,
+            "optimizer_shard": lay.optimizer_shard, "tokens/s/card": round(best.tokens_per_s_per_device),
+            "cp comm s/step": round(best.time_s["cp_comm"], 2), "yaml keys": keys, "run_yaml": doc}
+

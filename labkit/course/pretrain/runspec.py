@@ -75,7 +75,8 @@ class PretrainRun:
         lines = [f"preset {self.preset}: {self.model.name}, {num_params(self.model):,} parameters; "
                  f"{self.devices} x {self.cfg.parallel.device_target} ({self.device.name}, "
                  f"{self.device_memory_gib:g} GiB each) on {self.nodes} node(s)",
-                 f"layout: dp {p.dp} x mp {p.mp} x pp {p.pp} = {p.dp * p.mp * p.pp} devices "
+                 f"layout: dp {p.dp} x mp {p.mp} x pp {p.pp}" + (f" x cp {p.cp} ({p.cp_algo})" if p.cp > 1 else "")
+                 + f" = {p.dp * p.mp * p.pp * p.cp} devices "
                  f"({p.parallel_mode}, optimizer_shard {p.optimizer_shard}"
                  + (f", {p.optimizer_level})" if p.optimizer_shard else ")") + f", amp_level {t.amp_level}",
                  f"batch: micro_batch {t.micro_batch} x dp {p.dp} x accum {t.accum} = global_batch "
@@ -219,8 +220,11 @@ class Pinned:
     sources: dict
 
 
-def _check_layout(devices: int, target: str, dp: int | None, mp: int | None, pp: int | None) -> None:
-    """dp x mp x pp = devices for the pinned ones, and what CPU cannot run."""
+def _check_layout(devices: int, target: str, dp: int | None, mp: int | None, pp: int | None, cp: int = 1) -> None:
+    """dp x mp x pp x cp = devices for the pinned ones (cp: the config's parallel.cp), and what CPU cannot run."""
+    if devices % cp:
+        raise LabkitError(f"parallel.cp {cp} does not divide devices ({devices})", "choose a cp dividing devices")
+    devices //= cp
     pinned = [(n, v) for n, v in (("dp", dp), ("mp", mp), ("pp", pp)) if v is not None]
     product = math.prod(v for _, v in pinned) if pinned else 1
     if any(v < 1 for _, v in pinned):
@@ -239,7 +243,7 @@ def _check_layout(devices: int, target: str, dp: int | None, mp: int | None, pp:
 
 def _pinned(s: Settings, place: Placement) -> Pinned:
     given, target, devices = s.given, s.cfg.parallel.device_target, place.devices
-    _check_layout(devices, target, given["dp"], given["mp"], given["pp"])
+    _check_layout(devices, target, given["dp"], given["mp"], given["pp"], s.cfg.parallel.cp)
     shard, sources = s.cfg.parallel.optimizer_shard, {}
     if devices == 1 and shard:
         shard = False
@@ -252,7 +256,7 @@ def _pinned(s: Settings, place: Placement) -> Pinned:
         if v is not None and v < 1:
             raise LabkitError(f"parameter {name} = {v} must be >= 1")
     t, bp = s.cfg.train, s.base.parallel
-    config_dp = bp.dp or max(1, s.pre["devices"] // (bp.mp * bp.pp))
+    config_dp = bp.dp or max(1, s.pre["devices"] // (bp.mp * bp.pp * bp.cp))
     g_fixed = g or (None if mb and acc else t.global_batch or t.micro_batch * t.accum * config_dp)
     return Pinned(dp=given["dp"], mp=given["mp"], pp=given["pp"], optimizer_shard=shard, micro_batch=mb,
                   accum=acc, global_batch=g_fixed, sources=sources)
@@ -271,21 +275,23 @@ class Search:
 
 
 def _layouts(s: Settings, place: Placement, pin: Pinned, dev, flash: bool) -> tuple[list, dict]:
-    """The planner's row for each dp x mp x pp the parameters allow, and why each other one cannot work."""
-    t, devices, target = s.cfg.train, place.devices, s.cfg.parallel.device_target
+    """The planner's row for each dp x mp x pp the parameters allow (x the config's cp), and why each other one
+    cannot work."""
+    t, devices, target, p = s.cfg.train, place.devices, s.cfg.parallel.device_target, s.cfg.parallel
     machine = Machine(devices, place.memory_gib, device=dev, nodes=place.nodes)
     rows, reasons = [], {}
-    for m in divisors(devices):
-        for q in divisors(devices // m):
-            d = devices // m // q
+    for m in divisors(devices // p.cp):
+        for q in divisors(devices // p.cp // m):
+            d = devices // p.cp // m // q
             if (pin.dp and d != pin.dp) or (pin.mp and m != pin.mp) or (pin.pp and q != pin.pp) or (
                     target == "CPU" and m * q > 1):
                 continue
             mb, acc, g, why = split_batch(pin.global_batch, pin.micro_batch, pin.accum, t.micro_batch, d)
             if why is None:
                 try:
-                    layout = Layout(dp=d, mp=m, pp=q, micro_batch=mb, accum=acc, recompute=t.recompute,
-                                    optimizer_shard=pin.optimizer_shard and d > 1,
+                    layout = Layout(dp=d, mp=m, pp=q, cp=p.cp, cp_algo=p.cp_algo, ulysses_degree=p.ulysses_degree,
+                                    micro_batch=mb, accum=acc, recompute=t.recompute,
+                                    optimizer_shard=pin.optimizer_shard and d * p.cp > 1,
                                     optimizer=s.cfg.parallel.optimizer())
                     rows.append(estimate(s.model, machine, layout, seq_len=s.cfg.data.seq_len,
                                          amp_level=t.amp_level, flash_attention=flash))
