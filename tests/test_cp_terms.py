@@ -121,7 +121,8 @@ def test_communication_per_layer_follows_the_formulas():
 
 
 def test_the_planner_searches_cp_where_the_sequence_and_heads_allow():
-    r = P.plan(SEVEN_B, P.Machine(8, 64), seq_len=32768, global_batch=8)
+    assert {s.cp for s in P.plan(SEVEN_B, P.Machine(8, 64), seq_len=32768, global_batch=8)["strategies"]} == {1}
+    r = P.plan(SEVEN_B, P.Machine(8, 64), seq_len=32768, global_batch=8, constraints={"cp": "search"})
     seen = {(s.cp, s.layout.cp_algo) for s in r["strategies"]}
     assert {c for c, _ in seen} == {1, 2, 4, 8} and ("hybrid_cp" not in {a for _, a in seen})
     assert all(s.time_s["cp_comm"] > 0 for s in r["strategies"] if s.cp > 1)

@@ -60,8 +60,9 @@ def add_cli(parser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the preset's peak (TFLOP/s)")
     parser.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, help="achievable fraction of peak")
     parser.add_argument("--no-flash-attention", action="store_true", help="model attention without flash attention")
-    parser.add_argument("--cp", type=int, default=None, help="context parallel degree (devices per sequence); "
-                        "default: searched over 1, 2, 4, 8, or the config's parallel.cp")
+    parser.add_argument("--cp", type=_cp, default=None, help="context parallel degree (devices per sequence), or "
+                        "'search' (1, 2, 4, 8); default: the config's parallel.cp, else 1 (searched when --cp-algo "
+                        "is given)")
     parser.add_argument("--cp-algo", default=None, choices=CP_ALGOS,
                         help="mindformers' context_parallel_algo (default: colossalai_cp and ulysses_cp searched)")
     parser.add_argument("--ulysses-degree", type=int, default=None,
@@ -103,3 +104,13 @@ def _cli(args) -> int:
                "best": best.to_dict() if best else None}
     emit(args, {"ok": True, **as_json}, "\n".join(text))
     return 0
+
+
+def _cp(text: str) -> int | str:
+    """--cp: a degree, or "search"."""
+    if text == "search":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a degree nor 'search'") from None

@@ -187,8 +187,10 @@ def plan(model_cfg: ModelConfig, machine: Machine, *, seq_len: int = 4096, globa
 
     numerics: the amp level, flash attention (the fused kernels are the device's).
     constraints: pin any of Layout.KEYS (dp, mp, pp, cp, cp_algo, ulysses_degree, micro_batch, accum, recompute,
-        optimizer_shard; None = search it). cp is searched over cp_terms.CP_DEGREES with colossalai_cp and
-        ulysses_cp; hybrid_cp only when pinned.
+        optimizer_shard; None = search it), except cp: 1 unless pinned, or searched over cp_terms.CP_DEGREES
+        when cp is "search" or an algorithm is pinned (colossalai_cp and ulysses_cp; hybrid_cp only when pinned).
+        Context parallelism is opt-in: the step-time model has one efficiency for every matmul, so it cannot see
+        what a short per-device sequence (s/cp) costs, and at 4k tokens it would trade recompute for cp.
     optimizer: MindSpore's parallel-optimizer settings for the candidates that shard (optimizer_shard)."""
     st = setting(machine, seq_len=seq_len, global_batch=global_batch, numerics=numerics,
                  sequence_parallel=sequence_parallel, constraints=constraints, optimizer=optimizer)
@@ -340,8 +342,7 @@ def _why_nothing(result: dict, cfg: ModelConfig, mem: float) -> str:
 def _splits(devices: int, constraints: dict):
     """(dp, mp, pp, cp) with dp x mp x pp x cp = devices, each with the context-parallel algorithms to try
     ((cp_algo, ulysses_degree): the one mindformers default without cp)."""
-    pinned = constraints.get("cp")
-    for cp in [pinned] if pinned is not None else cp_terms.CP_DEGREES:
+    for cp in cp_terms.CP_DEGREES if constraints.get("cp_search") else [constraints.get("cp") or 1]:
         if devices % cp:
             continue
         algos = [constraints.get("cp_algo")] if constraints.get("cp_algo") else cp_terms.SEARCHED_ALGOS
@@ -370,7 +371,11 @@ def _invalid_split(cfg: ModelConfig, global_batch: int, dp: int, mp: int, pp: in
 
 
 def _check_constraints(constraints: dict | None) -> dict:
+    """The constraints validated; cp "search" (or an algorithm pinned without a degree) becomes cp_search: True."""
     constraints = dict(constraints or {})
+    search = constraints.get("cp") == "search"
+    if search:
+        constraints["cp"] = None
     unknown = set(constraints) - set(Layout.KEYS)
     if unknown:
         raise LabkitError(f"unknown constraint(s) {', '.join(sorted(unknown))}", f"use {', '.join(Layout.KEYS)}")
@@ -385,6 +390,8 @@ def _check_constraints(constraints: dict | None) -> dict:
             raise LabkitError(f"constraint recompute='{rc}' names some layers only",
                               f"use one of {', '.join(RECOMPUTE)}")
         constraints["recompute"] = rc
+    if search or (constraints.get("cp") is None and constraints.get("cp_algo") is not None):
+        constraints["cp_search"] = True
     return constraints
 
 
