@@ -2,6 +2,8 @@
 config, with the best strategy's mindformers YAML and msrun command."""
 from __future__ import annotations
 
+import argparse
+
 from labkit.config import AMP_LEVELS, ModelConfig, model_from_section, model_preset, read_yaml
 from labkit.errors import LabkitError
 from labkit.layout import CP_ALGOS, OPTIMIZER_LEVELS, OptimizerParallel
