@@ -140,3 +140,28 @@ def test_cp_sits_next_to_tp_in_the_rank_order():
     assert (m["tp"], m["cp"], m["dp"], m["dp_cp"]) == ([4, 5], [5, 7], [1, 5], [1, 3, 5, 7])
     with pytest.raises(LabkitError, match="data and tensor parallel only"):
         HandLayout("cp2_pp2", cp=2, pp=2, micro=2).check(CFG, 8)
+
+
+@pytest.mark.parametrize("world", [False, True])
+def test_the_cpu_stand_ins_are_a_ring_step_and_an_all_to_all_and_count_both(ms, world):
+    """comm.Group's shift and all_to_all, with thread members in place of MindSpore's AllReduce and AllGather:
+    worker r gets worker r-1's tensor, and every worker's r-th slice along one axis joined along the other; each
+    counts its stand-in's bytes as sent and the real operation's as ideal."""
+    from labkit.byhand.comm import Op, Sent
+
+    p, shape = 3, (2, 6, 4, 3)
+    xs = [np.random.default_rng(r).normal(size=shape).astype(np.float32) for r in range(p)]
+    n = xs[0].nbytes
+
+    def worker(m):
+        g = Group("threads", p, m.index, tuple(range(p)), world=world)
+        g._ops = {"all_reduce": m.all_reduce, "all_gather": lambda x: m.all_gather(x, 0)}
+        x = ms.Tensor(xs[m.index])
+        return g.shift(x, 1, Op.CP_RING_FWD).asnumpy(), g.all_to_all(x, 1, 2, Op.CP_ALL_TO_ALL_FWD).asnumpy(), \
+            g.traffic.counts()
+
+    for r, (passed, exchanged, counts) in enumerate(Threads(p).run(worker)):
+        assert np.array_equal(passed, xs[(r - 1) % p])
+        assert np.array_equal(exchanged, np.concatenate([x[:, 2 * r:2 * r + 2] for x in xs], axis=2))
+        assert counts[Op.CP_RING_FWD] == Sent(1, 2 * (p - 1) * n, n)
+        assert counts[Op.CP_ALL_TO_ALL_FWD] == Sent(1, (1 if world else 2) * (p - 1) * n, (p - 1) / p * n)

@@ -1,8 +1,9 @@
 """Context parallelism by hand: the cp workers of a group each hold a part of every sequence of their batch, and
 attention, the one operation that mixes positions, is computed across them: ring attention (Liu et al. 2023,
-"Ring Attention with Blockwise Transformers") or DeepSpeed-Ulysses (Jacobs et al. 2023). mindformers 1.9 names
-them `parallel_config.context_parallel` with `context_parallel_algo` colossalai_cp (the ring, with
-`use_ring_attention`) or ulysses_cp; MindSpore refuses both on CPU, so here they are written out.
+"Ring Attention with Blockwise Transformers") or DeepSpeed-Ulysses (Jacobs et al. 2023). mindformers 1.9 sets the
+degree with `parallel_config.context_parallel` and the algorithm with `context_parallel_algo` (colossalai_cp,
+ulysses_cp or hybrid_cp); its key/value ring is the model's `use_ring_attention: True` (with flash attention).
+MindSpore refuses them on CPU, so here they are written out.
 
 The split. With cp workers the s tokens of a sequence are cut into 2·cp chunks of c = s / (2·cp). Under the causal
 mask query chunk a reads key chunks 0..a, so a contiguous split (worker r: chunks 2r and 2r+1, "naive") leaves
@@ -48,7 +49,7 @@ from labkit.byhand.mappings import heads_to_seq, ring_pass, seq_to_heads
 from labkit.errors import LabkitError
 from labkit.model.scratch import HOOKS, Frame, Hooks, core_attention, grouped, mask_adder, rope_tables
 
-ALGOS = ("ring", "ulysses")  # mindformers' context_parallel_algo: colossalai_cp (use_ring_attention), ulysses_cp
+ALGOS = ("ring", "ulysses")  # HandLayout.cp_algo; mindformers: use_ring_attention, context_parallel_algo ulysses_cp
 TOKENS = 2  # the sequence axis of attention's [batch, heads, seq, head_dim]
 
 
