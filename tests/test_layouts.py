@@ -57,9 +57,12 @@ def test_each_worker_holds_its_share(result):
     lay = result["layouts"]
     for w in lay["dp2"].per_worker:
         assert w.held == Held(params=every, grads=every, optimizer=2 * every)
-    for name in ("tp2", "sp2", "dp2_tp2"):
+    for name in ("tp2", "sp2", "dp2_tp2", "tp2_cp2_ulysses"):
         for w in lay[name].per_worker:
             assert w.held.params == every - split // 2  # the split matrices halved, the rest replicated
+    for name in ("cp2_ring", "cp2_ulysses", "dp2_cp2_ring"):  # context parallel replicates every weight
+        for w in lay[name].per_worker:
+            assert w.held == Held(params=every, grads=every, optimizer=2 * every)
     padded = -(-every // 8) * 8  # ZeRO's flat buffer: 4-byte elements, padded to a multiple of 2 workers
     for w in lay["zero1"].per_worker:
         assert w.held == Held(params=every, grads=every, optimizer=padded)  # m and v: half each
@@ -148,7 +151,7 @@ def test_bytes_sent_are_the_textbook_volumes(result):
     """At the collectives, the bytes of the tensors really passed, per step, against the formulas from the
     configuration; the process's own read/write counter carries at least that many."""
     rows = parallel_lab.comm_rows(result)
-    assert {r["dimension"] for r in rows} == {"dp", "tp", "sp", "pp", "zero", "opt", "vocab"}
+    assert {r["dimension"] for r in rows} == {"dp", "tp", "sp", "pp", "zero", "opt", "vocab", "cp"}
     for r in rows:
         assert r["counted"] == pytest.approx(r["textbook"], rel=1e-9), r
         assert r["cpu_stand_in"] >= r["counted"]  # a reduce-scatter sent as an all-reduce: more, never less
@@ -189,3 +192,29 @@ def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_pa
     plain = parallel_lab.evidence(Layout(dp=8), root=tmp_path)
     assert [r["used"] for r in plain] == [True, False, False, False, False, False, False]
     assert all("run notebook 06a" in r["equal to one card"] for r in plain)  # nothing cached there: says what to run
+
+
+def test_context_parallel_passes_what_its_algorithm_says(result):
+    """Per layer and step, ring attention passes its key/value block cp - 1 times forward and its gradient as many
+    times back (a point-to-point send each, counted; its CPU stand-in an all-reduce, 2(cp - 1) times the block);
+    Ulysses runs 4 all-to-alls forward and 4 backward. Every cp worker of one replica holds the same weights, and
+    every worker of a layout reports the same losses."""
+    cfg, steps = runs.model_cfg(), runs.SETTINGS["steps"]
+    for name in ("cp2_ring", "cp2_ulysses", "dp2_cp2_ring", "tp2_cp2_ulysses"):
+        row = result["layouts"][name]
+        lay = row.layout
+        ring = lay.cp_algo == "ring"
+        fwd, bwd = (Op.CP_RING_FWD, Op.CP_RING_BWD) if ring else (Op.CP_ALL_TO_ALL_FWD, Op.CP_ALL_TO_ALL_BWD)
+        per_layer = lay.cp - 1 if ring else 4
+        for w in row.per_worker:
+            for op in (fwd, bwd):
+                assert w.traffic[op].calls == per_layer * cfg.num_layers * steps, (name, op)
+            if ring:
+                assert w.traffic[fwd].sent_bytes == 2 * (lay.cp - 1) * w.traffic[fwd].ideal_bytes
+            assert w.losses == row.per_worker[0].losses
+        by_tp = {}
+        for w in row.per_worker:
+            by_tp.setdefault((w.place.dp, w.place.tp), []).append(w.weights)
+        for copies in by_tp.values():
+            assert len(copies) == lay.cp
+            assert all(np.array_equal(c[k], copies[0][k]) for c in copies[1:] for k in copies[0])

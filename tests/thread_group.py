@@ -2,7 +2,7 @@
 thread, and a collective hands every member's tensor to all at a barrier. One thread computes at a time (MindSpore's
 eager executor is not safe for concurrent callers): a member computes only while it holds `turn`, which it gives up
 while it waits at a collective. A `Member` answers the calls labkit.byhand.comm.Group answers (size, index,
-all_reduce, all_gather, reduce_scatter, stack_by_sum, transfer), without counting traffic. A `World` of n threads
+all_reduce, all_gather, reduce_scatter, stack_by_sum, transfer, shift, all_to_all), without counting traffic. A `World` of n threads
 has any number of such groups, all under one `turn`: the grid of a layout with several dimensions."""
 from __future__ import annotations
 
@@ -44,7 +44,12 @@ class World:
 
 def _run(n: int, turn: threading.Lock, fn, groups) -> list:
     """fn(i) for i < n, each in its own thread taking turns; a failure aborts every group's barrier (so that no
-    member waits for it) and is raised here."""
+    member waits for it) and is raised here. MindSpore's switch for autodiff is one per process: `_Function.apply`
+    (labkit.byhand.mappings.differentiable) turns it off for its forward and restores what it found, so members
+    whose forwards interleave at a collective can leave it off; it is put back as it was when all are done."""
+    from mindspore.graph.api import _pynative_executor
+
+    grad = _pynative_executor.enable_grad()
     out, errors = [None] * n, []
 
     def body(i):
@@ -63,6 +68,7 @@ def _run(n: int, turn: threading.Lock, fn, groups) -> list:
         t.start()
     for t in threads:
         t.join()
+    _pynative_executor.set_enable_grad(grad)
     if errors:
         raise errors[0]
     return out
@@ -108,3 +114,14 @@ class Member:
 
         total = np.sum(self._exchange(x), axis=0)
         return mindspore.Tensor(np.array_split(total, self.size, axis=axis)[self.index])
+
+    def shift(self, x, by: int, name: str = ""):
+        import mindspore
+
+        return mindspore.Tensor(self._exchange(x)[(self.index - by) % self.size])
+
+    def all_to_all(self, x, split_axis: int, concat_axis: int, name: str = ""):
+        import mindspore
+
+        every = [np.array_split(t, self.size, axis=split_axis)[self.index] for t in self._exchange(x)]
+        return mindspore.Tensor(np.concatenate(every, axis=concat_axis))

@@ -5,6 +5,7 @@ model, data and training (the lr schedule); not the planner (labkit.parallel), w
     comm                Group, its counted collectives (CPU stand-ins), Traffic and the Op names by dimension
     mappings            each collective with its backward, one named function (Megatron's mappings.py)
     tensor_parallel     tensor, sequence and vocabulary parallel: the model's hooks, the vocab-parallel loss
+    context_parallel    context parallel: ring attention and Ulysses, the balanced (zigzag) split
     pipeline_parallel   p stages, GPipe and 1F1B: the schedule (the simulator's too), stage-to-stage transfers
     data_parallel       data parallel and ZeRO-1/2: the optimizers, flat sharded buffers
     optimizer_parallel  MindSpore's optimizer parallel, levels 1-3 (the weights sharded too)

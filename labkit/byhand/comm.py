@@ -12,10 +12,14 @@ A reduce-scatter is an all-reduce followed by keeping one's own slice (the CPU b
 same result, but every worker holds the whole tensor for a moment and the wire carries an all-reduce's bytes.
 `Traffic` counts both: what this stand-in sent and what Ascend's HCCL would send for the real operation.
 A stage-to-stage transfer (`transfer`) is a broadcast from the sender on the world group, elsewhere an all-reduce
-to which the receiver contributes zeros.
+to which the receiver contributes zeros. A ring step (`shift`: every worker sends to the next at once, ring
+attention's point-to-point pass) is `stack_by_sum` keeping the previous worker's slot; an all-to-all (`all_to_all`,
+Ulysses' exchange) is an all-gather keeping this worker's slice along the other axis. Both count the stand-in's
+bytes as sent and the real operation's as ideal.
 
 Bytes are counted per worker with the ring algorithm's volumes (p workers, n bytes of the full tensor):
-all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer).
+all-reduce 2(p-1)/p·n, all-gather and reduce-scatter (p-1)/p·n, broadcast from the root n (to one peer); a ring
+step sends this worker's tensor once (n of it), an all-to-all (p-1)/p of this worker's tensor (n: its size).
 Every counted operation has a name of `Op`, in one dimension of `DIMENSIONS` (what the comparison with the
 textbook groups by); `Traffic` refuses any other name."""
 from __future__ import annotations
@@ -40,6 +44,11 @@ class Op(enum.StrEnum):
     SP_UNSPLIT_FWD = "sp_unsplit_fwd"  # before a replicated head: the sequence gathered
     SP_NORM_ALL_REDUCE = "sp_norm_all_reduce"  # the norms' gradients, each worker's from its part of the sequence
     DP_ALL_REDUCE = "dp_all_reduce"
+    DP_CP_ALL_REDUCE = "dp_cp_all_reduce"  # with context parallel: the gradients summed over the dp x cp group
+    CP_RING_FWD = "cp_ring_fwd"  # ring attention: a key/value block passed to the next worker
+    CP_RING_BWD = "cp_ring_bwd"  # its backward: the block's gradient passed back to the previous worker
+    CP_ALL_TO_ALL_FWD = "cp_all_to_all_fwd"  # Ulysses: q, k, v and the context between sequence and head splits
+    CP_ALL_TO_ALL_BWD = "cp_all_to_all_bwd"
     ZERO1_REDUCE_SCATTER = "zero1_reduce_scatter"
     ZERO2_REDUCE_SCATTER = "zero2_reduce_scatter"
     ZERO_ALL_GATHER = "zero_all_gather"
@@ -72,7 +81,8 @@ DIMENSIONS = {
     "tp": Dimension((Op.TP_ALL_REDUCE_FWD, Op.TP_ALL_REDUCE_BWD)),
     "sp": Dimension((Op.SP_ALL_GATHER_FWD, Op.SP_ALL_GATHER_BWD, Op.SP_REDUCE_SCATTER_FWD, Op.SP_REDUCE_SCATTER_BWD),
                     (Op.SP_SPLIT_BWD, Op.SP_UNSPLIT_FWD, Op.SP_NORM_ALL_REDUCE)),
-    "dp": Dimension((Op.DP_ALL_REDUCE,)),
+    "dp": Dimension((Op.DP_ALL_REDUCE, Op.DP_CP_ALL_REDUCE)),
+    "cp": Dimension((Op.CP_RING_FWD, Op.CP_RING_BWD, Op.CP_ALL_TO_ALL_FWD, Op.CP_ALL_TO_ALL_BWD)),
     "zero": Dimension((Op.ZERO1_REDUCE_SCATTER, Op.ZERO2_REDUCE_SCATTER, Op.ZERO_ALL_GATHER)),
     "opt": Dimension((Op.OPT_ALL_GATHER, Op.OPT_REGATHER, Op.OPT_REDUCE_SCATTER), (Op.OPT_GATHER_TO_SAVE,)),
     "pp": Dimension((Op.PP_ACTIVATION, Op.PP_GRADIENT)),
@@ -166,16 +176,49 @@ class Group:
         has no AllGather, `stack_by_sum`'s slots joined."""
         if self.size == 1:
             return x
+        full, sent = self._gathered(x, axis)
+        self.traffic.add(name, sent, (self.size - 1) * nbytes(x))
+        return full
+
+    def _gathered(self, x, axis: int):
+        """(every worker's x concatenated along axis, bytes this worker sent for it), uncounted: an AllGather on
+        the world group, elsewhere `stack_by_sum`'s all-reduce (counted as sent: 2(p-1)·n)."""
         from mindspore import ops
 
         if not self.world:
-            stacked = self.stack_by_sum(x, name)
-            return ops.cat([stacked[i] for i in range(self.size)], axis)
-        self.traffic.add(name, (self.size - 1) * nbytes(x))
+            stacked = self._slots(x)
+            return ops.cat([stacked[i] for i in range(self.size)], axis), 2 * (self.size - 1) * nbytes(x)
         if axis == 0:
-            return self.op("all_gather")(x)
+            return self.op("all_gather")(x), (self.size - 1) * nbytes(x)
         perm = _swap(x.ndim, axis)
-        return ops.transpose(self.op("all_gather")(ops.transpose(x, perm)), perm)
+        return ops.transpose(self.op("all_gather")(ops.transpose(x, perm)), perm), (self.size - 1) * nbytes(x)
+
+    def _slots(self, x):
+        from mindspore import ops
+
+        return self.op("all_reduce")(ops.stack([x if i == self.index else ops.zeros_like(x) for i in range(self.size)]))
+
+    def shift(self, x, by: int, name: Op):
+        """The x of the worker `by` places before this one (group index - by, modulo the size): every worker sends
+        its x `by` places on at once, one step of a ring of point-to-point sends. The CPU backend has no
+        Send/Receive: `stack_by_sum`'s all-reduce, keeping that worker's slot. Counted as sent: the all-reduce;
+        ideal: x once (one send to one peer)."""
+        if self.size == 1:
+            return x
+        n = nbytes(x)
+        self.traffic.add(name, 2 * (self.size - 1) * n, n)
+        return self._slots(x)[(self.index - by) % self.size]
+
+    def all_to_all(self, x, split_axis: int, concat_axis: int, name: Op):
+        """Worker j's slice `index` of x along split_axis (x cut in `size` equal slices), for every j, concatenated
+        along concat_axis in group order: DeepSpeed-Ulysses' exchange. The CPU backend has no AlltoAll: every
+        worker's x gathered along concat_axis (`all_gather`), then this worker's slice along split_axis kept.
+        Counted as sent: that gather; ideal: an all-to-all, (size - 1)/size of x (each slice but one sent)."""
+        if self.size == 1:
+            return x
+        full, sent = self._gathered(x, concat_axis)
+        self.traffic.add(name, sent, (self.size - 1) / self.size * nbytes(x))
+        return chunk(full, split_axis, self.size, self.index)
 
     def stack_by_sum(self, x, name: Op):
         """[size, *x.shape]: every worker's x in group order, on any group (the CPU backend's AllGather runs on the
@@ -187,7 +230,7 @@ class Group:
             return ops.expand_dims(x, 0)
         n = nbytes(x)
         self.traffic.add(name, 2 * (self.size - 1) * n, (self.size - 1) * n)
-        return self.op("all_reduce")(ops.stack([x if i == self.index else ops.zeros_like(x) for i in range(self.size)]))
+        return self._slots(x)
 
     def reduce_scatter(self, x, axis: int, name: Op):
         """The sum over workers, of which this worker keeps its 1/size slice along `axis` (all-reduce + slice)."""

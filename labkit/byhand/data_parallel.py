@@ -2,7 +2,8 @@
 its step (synchronise the gradients, clip by the global norm, AdamW), one object per kind, each reading the run's
 TrainConfig (lr, schedule, AdamW, clipping) as it is:
 
-    AdamW       data, tensor and pipeline parallel: whole gradients all-reduced over dp, every moment whole
+    AdamW       data, tensor, pipeline and context parallel: whole gradients all-reduced over dp (over
+                dp x cp with context parallel), every moment whole
     ZeRO1       ZeRO stage 1 (Rajbhandari et al.): gradients reduce-scattered once at the step, AdamW on this
                 worker's 1/dp slice of one flat buffer (`FlatAdamW`), the updated slices all-gathered
     ZeRO2       stage 2: each micro-batch's gradients reduce-scattered at once, a worker keeps only its slice
@@ -58,9 +59,9 @@ class AdamW(WholeGradients):
 
     def update(self, w, acc: tuple, loss: float) -> dict:
         """Steps 4-6 on the accumulated gradients of w's parameters; returns the loss and the gradient norm."""
-        dp, tp = w.groups["dp"], w.groups["tp"]
+        (dp, summed), tp = w.grad_group, w.groups["tp"]  # dp, or dp x cp under context parallel
         self.held_grads = sum(nbytes(g) for g in acc)
-        grads = {n: dp.all_reduce(g, Op.DP_ALL_REDUCE) for n, g in zip(w.names, acc)}
+        grads = {n: dp.all_reduce(g, summed) for n, g in zip(w.names, acc)}
         grads = {n: tp.all_reduce(g, Op.SP_NORM_ALL_REDUCE) if w.sp_partial(n) else g for n, g in grads.items()}
         split = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if w.tp_split(n))
         whole = sum(float((g * g).sum().asnumpy()) for n, g in grads.items() if not w.tp_split(n))

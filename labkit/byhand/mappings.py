@@ -7,6 +7,10 @@ core/tensor_parallel/mappings.py): given a `Group` (labkit.byhand.comm), each re
     scatter_seq  forward reduce-scatter,            backward all-gather      (SP: leave a TP block)
     split_seq    forward keep my sequence chunk,    backward all-gather      (SP: after the embedding)
     unsplit_seq  forward all-gather of the sequence, backward keep my chunk  (SP: before a replicated head)
+    ring_pass    forward pass my block to the next worker, backward its gradient to the previous one
+                                                     (CP: ring attention's key/value step)
+    seq_to_heads forward all-to-all, sequence split -> head split, backward the reverse  (CP: Ulysses, before
+    heads_to_seq forward all-to-all, head split -> sequence split, backward the reverse   attention; after it)
 
 Autodiff cannot differentiate AllGather on CPU (its backward would be a ReduceScatter), so every backward is
 written by hand: `differentiable` pairs a forward with its backward on MindSpore's `_Function` (`function_base`).
@@ -20,6 +24,7 @@ from labkit.byhand.comm import Group, Op, chunk
 from labkit.errors import LabkitError
 
 SEQ = 1  # the sequence axis of [batch, seq, hidden]
+HEADS, TOKENS = 1, 2  # the head and sequence axes of attention's [batch, heads, seq, head_dim]
 
 
 PROTOCOL = ("forward", "backward", "apply", "save_for_backward")  # what `differentiable` uses of _Function
@@ -108,3 +113,24 @@ def unsplit_seq(group: Group):
     """SP, before a replicated head: forward all-gather of the sequence, backward keep this worker's chunk."""
     return differentiable(lambda x: group.all_gather(x, SEQ, Op.SP_UNSPLIT_FWD),
                           lambda d: chunk(d, SEQ, group.size, group.index))
+
+
+def ring_pass(group: Group):
+    """CP, one step of ring attention (Liu et al. 2023): forward every worker passes its block to the next (gets
+    the previous one's), backward the gradient goes back the same way, to the worker the block came from."""
+    return differentiable(lambda x: group.shift(x, 1, Op.CP_RING_FWD), lambda d: group.shift(d, -1, Op.CP_RING_BWD))
+
+
+def seq_to_heads(group: Group):
+    """CP, Ulysses (Jacobs et al. 2023) before attention: forward all-to-all from [b, heads, s/cp, d] (this
+    worker's tokens, every head) to [b, heads/cp, s, d] (every worker's tokens in group order, this worker's
+    heads), backward the reverse all-to-all."""
+    return differentiable(lambda x: group.all_to_all(x, HEADS, TOKENS, Op.CP_ALL_TO_ALL_FWD),
+                          lambda d: group.all_to_all(d, TOKENS, HEADS, Op.CP_ALL_TO_ALL_BWD))
+
+
+def heads_to_seq(group: Group):
+    """CP, Ulysses after attention: forward all-to-all from [b, heads/cp, s, d] back to [b, heads, s/cp, d],
+    backward the reverse all-to-all."""
+    return differentiable(lambda x: group.all_to_all(x, TOKENS, HEADS, Op.CP_ALL_TO_ALL_FWD),
+                          lambda d: group.all_to_all(d, HEADS, TOKENS, Op.CP_ALL_TO_ALL_BWD))

@@ -47,9 +47,11 @@ LAYOUTS = {
         HandLayout("pp2_1f1b", pp=2, micro=4, schedule="1f1b"),
         HandLayout("zero1", dp=2, zero=1, micro=2), HandLayout("zero2", dp=2, zero=2, micro=2),
         HandLayout("opt1", dp=2, opt_level=1, micro=2), HandLayout("opt2", dp=2, opt_level=2, micro=2),
-        HandLayout("opt3", dp=2, opt_level=3, micro=2)],
+        HandLayout("opt3", dp=2, opt_level=3, micro=2),
+        HandLayout("cp2_ring", cp=2), HandLayout("cp2_ulysses", cp=2, cp_algo="ulysses")],
     4: [HandLayout("dp2_tp2", dp=2, tp=2), HandLayout("dp2_pp2", dp=2, pp=2, micro=2),
-        HandLayout("sp2_pp2", tp=2, sp=True, pp=2, micro=2)],
+        HandLayout("sp2_pp2", tp=2, sp=True, pp=2, micro=2),
+        HandLayout("dp2_cp2_ring", dp=2, cp=2), HandLayout("tp2_cp2_ulysses", tp=2, cp=2, cp_algo="ulysses")],
     8: [HandLayout("dp2_tp2_pp2", dp=2, tp=2, pp=2, micro=2)],
 }
 SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
@@ -61,9 +63,11 @@ REFERENCE = HandLayout("single")
 # has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
 # enough for the norm tensors sequence parallelism splits (8 x 256 x 256 floats = 2 MiB each) to stand out of the
 # pool's 1 MiB print resolution. tp2_whole_vocab is tp2 with the embedding and the head kept whole on each worker:
-# what the vocabulary-parallel head and loss save.
+# what the vocabulary-parallel head and loss save. cp2_ring and cp2_ulysses: each worker's activations of half of
+# every sequence (at seq 256, 2 x 2 chunks of 64 tokens).
 MEMORY_LAYOUTS = [HandLayout("single"), HandLayout("tp2", tp=2), HandLayout("sp2", tp=2, sp=True),
-                  HandLayout("tp2_whole_vocab", tp=2, vocab=False)]
+                  HandLayout("tp2_whole_vocab", tp=2, vocab=False), HandLayout("cp2_ring", cp=2),
+                  HandLayout("cp2_ulysses", cp=2, cp_algo="ulysses")]
 MEMORY_SETTINGS = dict(SETTINGS, seq_len=256, steps=1)
 
 

@@ -155,9 +155,9 @@ def backward_retention(mib: int = 16, repeats: int = 3) -> dict:
 def head_loss_count(lay, settings: dict = runs.MEMORY_SETTINGS) -> float:
     """The planner's bytes (float32, unfused norm as on CPU) of the final norm's, the logits' and the loss's tensors
     on one worker of `lay` (a HandLayout): the logits and the loss's copies of them split over tp when the head
-    is vocabulary-parallel, whole on every worker when it is not."""
+    is vocabulary-parallel, whole on every worker when it is not; a context-parallel worker's of its s/cp tokens."""
     mp = lay.tp if lay.tp > 1 and lay.vocab else 1
-    return loss_activations(runs.model_cfg(settings), settings["seq_len"], settings["global_batch"], mp=mp,
+    return loss_activations(runs.model_cfg(settings), settings["seq_len"] // lay.cp, settings["global_batch"], mp=mp,
                             act_bytes=4, fused_norm=False)
 
 
@@ -174,7 +174,10 @@ def activation_memory(folder: Path | None = None) -> dict:
         launch = folder / lay.name
         rows = _ranks(launch / lay.name)
         peaks = [pool_peak_mb((launch / "logs" / f"worker_{r.rank}.log").read_text(errors="replace")) for r in rows]
-        stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"], s["global_batch"], mp=lay.tp,
+        # context parallel: the planner's count at the s/cp tokens a worker holds (an estimate: the ring's score
+        # blocks are 2cp+1 of (s/2cp)^2 where s/cp squared counts 4 of them, and Ulysses holds s x s scores of
+        # heads/cp; the planner's own cp dimension is not in this module)
+        stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"] // lay.cp, s["global_batch"], mp=lay.tp,
                                                         sequence_parallel=lay.sp, numerics=CPU)["stored"]
         loss = head_loss_count(lay, s)
         out["layouts"][lay.name] = {"workers": len(rows), "pool_peak_mib": peaks, "held": [r.held for r in rows],
@@ -202,10 +205,10 @@ def load(root: Path, name: str) -> list[RankResult]:
 
 def gathered(rows: list[RankResult]) -> dict:
     """The full model from a layout's workers: tensor-parallel slices joined, pipeline stages merged (the first
-    data-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
+    data- and context-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
     of the weights, and gathers the full weights to save them (labkit.byhand.optimizer_parallel)."""
     full, lay = {}, rows[0].layout
-    replica = [r for r in rows if r.place.dp == 0]
+    replica = [r for r in rows if r.place.dp == 0 and r.place.cp == 0]  # cp workers hold the same weights too
     for name in {n for r in replica for n in r.weights}:
         parts = [r.weights[name] for r in replica if name in r.weights]
         full[name] = scratch.unshard(name, parts, lay.vocab) if lay.tp > 1 else parts[0]
@@ -348,24 +351,25 @@ def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS, place: Place
     level3, and reduces-scatters the gradients once (level1) or every micro-step (level2/3)); pipeline b·s·h
     (b·s/t·h under SP) per micro-batch and boundary: activations forward from every stage but the last, gradients
     back from every stage but the first; the vocabulary-parallel embedding (first stage) an all-reduce of b·s·h
-    forward, the head (last stage) one backward and the loss's two small collectives over b·s tokens. A pipeline
-    stage runs each forward twice (once to send its output, again under autodiff for the backward: full
+    forward, the head (last stage) one backward and the loss's two small collectives over b·s tokens. Context
+    parallel: b·s is this worker's s/cp tokens, the gradients are summed over dp x cp, and the ring's or Ulysses'
+    bytes are `cp_bytes`. A pipeline stage runs each forward twice (once to send its output, again under autodiff for the backward: full
     recompute, labkit.byhand.pipeline_parallel), and so every forward collective."""
     cfg = runs.model_cfg(settings)
     place = place or lay.place(0)
-    shard = stage_shard(cfg, lay, lay.rank_at(place.dp, place.pp, place.tp))
-    s, h, g = settings["seq_len"], cfg.hidden_size, settings["global_batch"]
+    shard = stage_shard(cfg, lay, lay.rank_at(place.dp, place.pp, place.tp, place.cp))
+    s, h, g = settings["seq_len"] // lay.cp, cfg.hidden_size, settings["global_batch"]  # s: this worker's tokens
     embedding, head = shard.first(cfg), shard.last(cfg)
     ring = lambda p: 2 * (p - 1) / p  # noqa: E731  all-reduce bytes per byte of the tensor
-    act = g // lay.dp * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch
+    act = g // lay.dp * s * h * 4  # one [b, s, h] float32 tensor of this worker's batch (its s/cp tokens)
     fwd = 2 if lay.pp > 1 else 1  # forwards per micro-batch (the pipeline recomputes)
     out = {}
     if lay.tp > 1:  # per layer 2 collectives in each forward, 2 in the backward
         out["sp" if lay.sp else "tp"] = (2 * fwd + 2) * len(shard.layers(cfg)) * ring(lay.tp) * act
-    if lay.dp > 1:  # the gradients of what this worker holds: its stage, tensor-parallel slices 1/tp
+    if lay.dp * lay.cp > 1:  # the gradients of what this worker holds: its stage, tensor-parallel slices 1/tp
         shapes = scratch.shapes(cfg)
         per = 4 * sum(int(np.prod(shapes[n])) / (lay.tp if shard.splits(n) else 1) for n in scratch.names(cfg, shard))
-        out["zero" if lay.zero else "dp"] = ring(lay.dp) * per
+        out["zero" if lay.zero else "dp"] = ring(lay.dp * lay.cp) * per  # over dp x cp with context parallel
         if lay.zero == 2:  # with accumulation ZeRO-2 reduce-scatters at every micro-step, to keep 1/dp of them
             out["zero"] = (lay.micro + 1) * (lay.dp - 1) / lay.dp * per
         level, m = lay.opt_level, lay.micro
@@ -380,7 +384,21 @@ def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS, place: Place
             (lay.tp - 1) * tokens + ring(lay.tp) * 2 * tokens))
     if lay.pp > 1:  # m micro-batches of b/m: one whole batch's activations forward, its gradients back
         out["pp"] = ((not head) + (not embedding)) * act / (lay.tp if lay.sp else 1)
+    if lay.cp > 1:
+        out["cp"] = cp_bytes(lay, cfg, act) * len(shard.layers(cfg))
     return out
+
+
+def cp_bytes(lay: HandLayout, cfg, act: float) -> float:
+    """Context parallel's bytes per layer and step from one worker, `act` its [b, s/cp, h] float32 tensor
+    (labkit.byhand.context_parallel), its heads and kv heads those of a tensor-parallel worker (1/tp of each):
+    the ring passes its key/value block [2, b, kv, s/cp, d] cp - 1 times forward, and the gradients as many times
+    back (a point-to-point send of the block each); Ulysses' 4 all-to-alls forward (q, k, v: sequence split to
+    head split; the context back) and their 4 reverses backward each send (cp - 1)/cp of the worker's tensor."""
+    kv = act * cfg.kv_heads / cfg.num_heads / lay.tp  # one of k or v of this worker: its kv heads' share of act
+    if lay.cp_algo == "ring":
+        return 2 * (lay.cp - 1) * 2 * kv
+    return 2 * (lay.cp - 1) / lay.cp * (2 * act / lay.tp + 2 * kv)
 
 
 def comm_rows(result: dict, settings: dict = runs.SETTINGS) -> list[dict]:

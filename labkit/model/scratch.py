@@ -28,6 +28,12 @@ the parts:
     embed_sum(e)            the masked partial lookups       forward all-reduce, backward identity
     head_in(h)              before the head's matmul          forward identity, backward all-reduce
     cross_entropy(z, y)     the loss from logit slices        labkit.byhand.tensor_parallel.vocab_parallel_cross_entropy
+
+Under context parallelism a worker holds a part of every sequence, and two more hooks place it
+(labkit.byhand.context_parallel):
+
+    frame(cfg, mask)        what every layer reads (`Frame`)  RoPE at each token's global position, the masks
+    attend(q, k, v, frame)  the attention core                ring attention, or Ulysses' all-to-alls around it
 """
 from __future__ import annotations
 
@@ -99,6 +105,18 @@ class Hooks:
         from mindspore import ops
 
         return ops.cross_entropy(logits_, labels, reduction="none")
+
+    def frame(self, cfg: ModelConfig, mask):
+        """What every layer of one forward pass reads besides its input (`Frame`), from the batch's mask [b, s]."""
+        return Frame(*rope_tables(cfg, mask.shape[1]), mask_adder(mask))
+
+    def attend(self, q, k, v, frame):
+        """The attention core over this worker's whole sequence: q [b, heads, s, d], k and v [b, kv heads, s, d]
+        (RoPE applied) -> context [b, heads, s, d]."""
+        return core_attention(q, k, v, frame.adder)
+
+
+HOOKS = ("block_in", "block_out", "seq_in", "seq_out", "embed_sum", "head_in", "cross_entropy")  # tp's, sp's, vocab's
 
 
 def check_shard(cfg: ModelConfig, shard: Shard) -> None:
@@ -206,7 +224,7 @@ class Frame:
     adder: object  # [b, 1, s, s], mask_adder
 
 
-def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, frame: Frame):
+def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, frame: Frame, hooks: Hooks = Hooks()):
     """Causal grouped-query attention over the heads this worker holds; returns wo's (partial, under TP) output."""
     from mindspore import ops
 
@@ -217,13 +235,29 @@ def attention(p: dict, pre: str, h, cfg: ModelConfig, shard: Shard, frame: Frame
     q = rope(split(ops.matmul(h, p[pre + "attention.wq.weight"].T), heads), frame.cos, frame.sin)
     k = rope(split(ops.matmul(h, p[pre + "attention.wk.weight"].T), kv), frame.cos, frame.sin)
     v = split(ops.matmul(h, p[pre + "attention.wv.weight"].T), kv)
-    if heads != kv:  # each group of heads // kv query heads reads one key/value head
-        k, v = ops.repeat_interleave(k, heads // kv, 1), ops.repeat_interleave(v, heads // kv, 1)
-    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(d))
-    scores = scores + frame.adder
-    ctx = ops.matmul(ops.softmax(scores, axis=-1), v)
+    ctx = hooks.attend(q, k, v, frame)
     ctx = ops.reshape(ops.transpose(ctx, (0, 2, 1, 3)), (b, s, heads * d))
     return ops.matmul(ctx, p[pre + "attention.wo.weight"].T)
+
+
+def grouped(k, heads: int):
+    """Key or value heads [b, kv, s, d] repeated for `heads` query heads: each group of heads // kv query heads
+    reads one key/value head (grouped-query attention)."""
+    from mindspore import ops
+
+    kv = k.shape[1]
+    return k if heads == kv else ops.repeat_interleave(k, heads // kv, 1)
+
+
+def core_attention(q, k, v, adder):
+    """softmax(q·kᵀ/sqrt(d) + adder)·v per head: q [b, heads, s, d], k and v [b, kv, t, d], adder [b, 1, s, t]."""
+    from mindspore import ops
+
+    heads, d = q.shape[1], q.shape[-1]
+    k, v = grouped(k, heads), grouped(v, heads)
+    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(d))
+    scores = scores + adder
+    return ops.matmul(ops.softmax(scores, axis=-1), v)
 
 
 MASKED = -10000.0  # what mindformers adds to a masked score (a row with every key masked becomes uniform)
@@ -251,7 +285,7 @@ def layer(p: dict, i: int, x, cfg: ModelConfig, shard: Shard, hooks: Hooks, fram
     """One decoder layer. `x` is the residual stream (sequence-sharded under SP)."""
     pre = LAYER.format(i)
     h = hooks.block_in(rms_norm(x, p[pre + "attention_norm.weight"], cfg.rms_norm_eps))
-    x = x + hooks.block_out(attention(p, pre, h, cfg, shard, frame))
+    x = x + hooks.block_out(attention(p, pre, h, cfg, shard, frame, hooks))
     h = hooks.block_in(rms_norm(x, p[pre + "ffn_norm.weight"], cfg.rms_norm_eps))
     return x + hooks.block_out(mlp(p, pre, h))
 
@@ -282,10 +316,11 @@ def head(p: dict, x, cfg: ModelConfig, hooks: Hooks = Hooks()):
 def stage(p: dict, x, mask, cfg: ModelConfig, shard: Shard = Shard(), hooks: Hooks = Hooks()):
     """This shard's part of the forward: token ids [b, s] in on the first stage, logits out of the last one, the
     residual stream [b, s, h] (sequence-sharded under SP) in between. `mask` [b, s]: 1 where the input is a token,
-    0 where it is padding (every stage has it: it comes with the batch)."""
+    0 where it is padding (every stage has it: it comes with the batch; under context parallelism the whole rows'
+    mask, while x holds this worker's part of the sequence)."""
     if shard.first(cfg):
         x = embed(p, x, hooks, shard)
-    frame = Frame(*rope_tables(cfg, mask.shape[1]), mask_adder(mask))
+    frame = hooks.frame(cfg, mask)
     for i in shard.layers(cfg):
         x = layer(p, i, x, cfg, shard, hooks, frame)
     return head(p, x, cfg, hooks) if shard.last(cfg) else x
