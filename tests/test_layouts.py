@@ -185,12 +185,13 @@ def test_a_result_file_from_other_code_is_refused(result, tmp_path):
 
 
 def test_a_strategy_points_at_the_runs_that_showed_its_dimensions(result, tmp_path):
-    every = Layout(dp=2, mp=2, pp=2, optimizer_shard=True, sequence_parallel=True)
+    every = Layout(dp=2, mp=2, pp=2, optimizer_shard=True, sequence_parallel=True, cp=4, cp_algo="hybrid_cp",
+                   ulysses_degree=2)
     rows = parallel_lab.evidence(every)
-    assert len(rows) == 7 and all(r["used"] and r["equal to one card"] is True for r in rows)
+    assert len(rows) == 9 and all(r["used"] and r["equal to one card"] is True for r in rows)
     assert {r["shown by"].split()[0] for r in rows} <= {lay.name for n in runs.LAYOUTS for lay in runs.LAYOUTS[n]}
     plain = parallel_lab.evidence(Layout(dp=8), root=tmp_path)
-    assert [r["used"] for r in plain] == [True, False, False, False, False, False, False]
+    assert [r["used"] for r in plain] == [True] + [False] * 8
     assert all("run notebook 06a" in r["equal to one card"] for r in plain)  # nothing cached there: says what to run
 
 

@@ -174,9 +174,10 @@ def activation_memory(folder: Path | None = None) -> dict:
         launch = folder / lay.name
         rows = _ranks(launch / lay.name)
         peaks = [pool_peak_mb((launch / "logs" / f"worker_{r.rank}.log").read_text(errors="replace")) for r in rows]
-        # context parallel: the planner's count at the s/cp tokens a worker holds (an estimate: the ring's score
-        # blocks are 2cp+1 of (s/2cp)^2 where s/cp squared counts 4 of them, and Ulysses holds s x s scores of
-        # heads/cp; the planner's own cp dimension is not in this module)
+        # context parallel: the planner's count without flash attention at the s/cp tokens a worker holds (an
+        # estimate: the ring's score blocks are 2cp+1 of (s/2cp)^2 where s/cp squared counts 4 of them, and Ulysses
+        # holds s x s scores of heads/cp). The planner's own cp terms (labkit.parallel.cp_terms) assume flash
+        # attention, which mindformers requires for cp and these CPU workers do not have
         stored = 4 * cfg.num_layers * layer_activations(cfg, s["seq_len"] // lay.cp, s["global_batch"], mp=lay.tp,
                                                         sequence_parallel=lay.sp, numerics=CPU)["stored"]
         loss = head_loss_count(lay, s)
@@ -427,7 +428,9 @@ EVIDENCE = (("data_parallel", lambda s: s.dp > 1, "dp2", "05, 06a §4"),
             ("pipeline_stage + micro_batch_num", lambda s: s.pp > 1, "pp2_1f1b", "06b §1"),
             ("data_parallel x model_parallel x pipeline_stage", lambda s: s.dp > 1 and s.mp > 1 and s.pp > 1,
              "dp2_tp2_pp2", "06b §1"),
-            ("optimizer_shard", lambda s: s.optimizer_shard, "opt1", "06b §2"))
+            ("optimizer_shard", lambda s: s.optimizer_shard, "opt1", "06b §2"),
+            ("context_parallel (colossalai_cp: the ring)", lambda s: s.cp > 1 and s.ring > 1, "cp2_ring", "06d §2"),
+            ("context_parallel (ulysses_cp)", lambda s: s.cp > 1 and s.ulysses > 1, "cp2_ulysses", "06d §2"))
 
 
 def evidence(layout, root: Path = CACHE) -> list[dict]:
