@@ -33,16 +33,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DRILLS = ("convert", "data", "ckpt")
-SAVE_SCRIPT = """
-import sys, numpy as np, mindspore as ms
+SAVE_STEPS = """
+import numpy as np, mindspore as ms
 from labkit.training import checkpoint
-out, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-rng = np.random.default_rng(first)
-params = [(f"w{i}", ms.Parameter(ms.Tensor(rng.standard_normal((1024, 1024)).astype(np.float32)), name=f"w{i}"))
-          for i in range(8)]
-for step in range(first, last + 1):
-    checkpoint.save(out, step, params, {"note": "fault drill"}, keep=2)
+def save_steps(out, first, last):
+    rng = np.random.default_rng(first)
+    params = [(f"w{i}", ms.Parameter(ms.Tensor(rng.standard_normal((1024, 1024)).astype(np.float32)), name=f"w{i}"))
+              for i in range(8)]
+    for step in range(first, last + 1):
+        checkpoint.save(out, step, params, {"note": "fault drill"}, keep=2)
 """
+SAVE_SCRIPT = SAVE_STEPS + "import sys\nsave_steps(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))\n"
 
 
 def env() -> dict:
@@ -163,8 +164,11 @@ class CkptDrill(Drill):
     per_run = 4
 
     def setup(self):
-        subprocess.run([sys.executable, "-c", SAVE_SCRIPT, str(self.out), "1", str(self.per_run)], env=env(), check=True,
-                       capture_output=True)
+        # the previous output, written in this process by the code the killed commands run (a process of its own
+        # would spend seconds importing MindSpore before its first save)
+        code = {}
+        exec(SAVE_STEPS, code)
+        code["save_steps"](str(self.out), 1, self.per_run)
         self.newest = self.per_run
 
     @property
