@@ -45,12 +45,11 @@ from __future__ import annotations
 import numpy as np
 
 from labkit.byhand.comm import Group, chunk
-from labkit.byhand.mappings import heads_to_seq, ring_pass, seq_to_heads
+from labkit.byhand.mappings import TOKENS, heads_to_seq, ring_pass, seq_to_heads
 from labkit.errors import LabkitError
 from labkit.model.scratch import HOOKS, Frame, Hooks, core_attention, grouped, mask_adder, rope_tables
 
 ALGOS = ("ring", "ulysses")  # HandLayout.cp_algo; mindformers: use_ring_attention, context_parallel_algo ulysses_cp
-TOKENS = 2  # the sequence axis of attention's [batch, heads, seq, head_dim]
 
 
 def chunks_of(cp: int, rank: int, balanced: bool = True) -> tuple[int, int]:

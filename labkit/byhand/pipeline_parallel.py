@@ -138,10 +138,10 @@ def pipeline_step(w, micro_batches: list) -> dict:
     prev, nxt = w.groups["pp_prev"], w.groups["pp_next"]
     held, arrived, out, acc, loss = {}, {}, {}, None, 0.0
 
-    def forward(j, x):
+    def forward(j, x):  # the last stage's: its share of the global loss (Worker.loss); the others' output
         _, labels, mask = parts[j]
-        y = scratch.stage(w.params, x, mask, w.cfg, w.shard, w.hooks)
-        return scratch.loss_terms(y, labels, mask, w.hooks)[0] / count if last else y
+        return w.loss(w.params, x, labels, mask, count) if last else scratch.stage(w.params, x, mask, w.cfg, w.shard,
+                                                                                     w.hooks)
 
     def backward(j):  # the forward again, under autodiff, then its backward; the input's gradient goes back
         x = held.pop(j)
@@ -178,7 +178,7 @@ def pipeline_step(w, micro_batches: list) -> dict:
             arrived[("grad", j)] = nxt.transfer(ops.zeros(shape, dtype), 1, Op.PP_GRADIENT)
         peak = max(peak, len(held))
         timeline.append((action, j, t0 - t_start, time.perf_counter() - t_start))
-    loss = sum_over(w.groups["dp"], sum_over(w.groups["pp"], loss, Op.LOSS), Op.LOSS)
+    loss = sum_over(w.grad_group[0], sum_over(w.groups["pp"], loss, Op.LOSS), Op.LOSS)
     wall = time.perf_counter() - t_start
     busy = sum(t1 - t0 for a, _, t0, t1 in timeline if a in ("F", "B"))
     result = w.optimizer.update(w, acc, loss)

@@ -44,22 +44,14 @@ from labkit.model import scratch
 from labkit.model.shapes import pipeline_layers
 
 
-
 @dataclass(frozen=True)
 class Place:
-    """Where a rank sits in its layout's grid: its data-parallel, pipeline-stage and tensor-parallel index, how
-    many stages there are (to name its stage), and its context-parallel index."""
+    """Where a rank sits in its layout's grid: its data-parallel, pipeline-stage, tensor-parallel and
+    context-parallel index."""
     dp: int
     pp: int
     tp: int
-    stages: int = 1
     cp: int = 0
-
-    @property
-    def stage(self) -> str:
-        """The stage's name: only, first, middle or last."""
-        return "only" if self.stages == 1 else "first" if self.pp == 0 else "last" if self.pp == self.stages - 1 \
-            else "middle"
 
 
 @dataclass(frozen=True)
@@ -100,7 +92,7 @@ class HandLayout:
 
     def place(self, rank: int) -> Place:
         tp, cp, pp = self.tp, self.cp, self.pp
-        return Place(rank // (pp * cp * tp), rank // (cp * tp) % pp, rank % tp, pp, rank // tp % cp)
+        return Place(rank // (pp * cp * tp), rank // (cp * tp) % pp, rank % tp, rank // tp % cp)
 
     def rank_at(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp

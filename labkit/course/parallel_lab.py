@@ -24,13 +24,12 @@ import numpy as np
 from labkit.byhand import runs
 from labkit.byhand.comm import DIMENSIONS
 from labkit.byhand.runs import RankResult
-from labkit.byhand.worker import HandLayout
+from labkit.byhand.worker import HandLayout, Place, stage_shard
 from labkit.data.dataset import ensure_dataset
 from labkit.errors import LabkitError
 from labkit.launch import workers as launch_workers
 from labkit.layout import Layout, OptimizerParallel
 from labkit.model import scratch
-from labkit.byhand.worker import Place, stage_shard
 from labkit.parallel.memory import Numerics, layer_activations, loss_activations, model_states, stage_at
 from labkit.paths import RUNS
 from labkit.sources import source_key, stamp, stamped
@@ -206,8 +205,8 @@ def load(root: Path, name: str) -> list[RankResult]:
 
 def gathered(rows: list[RankResult]) -> dict:
     """The full model from a layout's workers: tensor-parallel slices joined, pipeline stages merged (the first
-    data- and context-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps only a slice
-    of the weights, and gathers the full weights to save them (labkit.byhand.optimizer_parallel)."""
+    data- and context-parallel replica; every replica holds the same weights). An optimizer-parallel worker keeps
+    only a slice of the weights, and gathers the full weights to save them (labkit.byhand.optimizer_parallel)."""
     full, lay = {}, rows[0].layout
     replica = [r for r in rows if r.place.dp == 0 and r.place.cp == 0]  # cp workers hold the same weights too
     for name in {n for r in replica for n in r.weights}:
@@ -262,8 +261,9 @@ def compare(root: Path | None = None) -> dict:
 
 def planner_lines(lay: HandLayout, stage: int = 0) -> dict:
     """The planner's bytes per worker (float32 weights, gradients and AdamW moments, memory.model_states with the
-    O0 census) for a layout, on pipeline stage `stage` (memory.stage_at). ZeRO (Rajbhandari et al.) is not a MindSpore mode: for zero1 and zero2 the
-    planner's unsharded lines with the moments divided by dp, ZeRO-1's own accounting. The optimizer-parallel layouts
+    O0 census) for a layout, on pipeline stage `stage` (memory.stage_at). ZeRO (Rajbhandari et al.) is not a
+    MindSpore mode: for zero1 and zero2 the planner's unsharded lines with the moments divided by dp, ZeRO-1's own
+    accounting. The optimizer-parallel layouts
     (opt_level) are MindSpore's levels: the planner's sharded lines, with the gathered weights."""
     cfg = runs.model_cfg()
     st = stage_at(cfg, lay.pp, stage)
@@ -349,13 +349,13 @@ def textbook_bytes(lay: HandLayout, settings: dict = runs.SETTINGS, place: Place
     backward; sequence parallel the same volume as all-gathers and reduce-scatters; data parallel one all-reduce of
     its gradients (ZeRO: reduce-scatter + all-gather, the same volume; ZeRO-2 with m micro-steps reduce-scatters m
     times; optimizer parallel all-gathers the weights for every micro-step's forward, again for its backward at
-    level3, and reduces-scatters the gradients once (level1) or every micro-step (level2/3)); pipeline b·s·h
+    level3, and reduce-scatters the gradients once (level1) or every micro-step (level2/3)); pipeline b·s·h
     (b·s/t·h under SP) per micro-batch and boundary: activations forward from every stage but the last, gradients
     back from every stage but the first; the vocabulary-parallel embedding (first stage) an all-reduce of b·s·h
     forward, the head (last stage) one backward and the loss's two small collectives over b·s tokens. Context
     parallel: b·s is this worker's s/cp tokens, the gradients are summed over dp x cp, and the ring's or Ulysses'
-    bytes are `cp_bytes`. A pipeline stage runs each forward twice (once to send its output, again under autodiff for the backward: full
-    recompute, labkit.byhand.pipeline_parallel), and so every forward collective."""
+    bytes are `cp_bytes`. A pipeline stage runs each forward twice (once to send its output, again under autodiff
+    for the backward: full recompute, labkit.byhand.pipeline_parallel), and so every forward collective."""
     cfg = runs.model_cfg(settings)
     place = place or lay.place(0)
     shard = stage_shard(cfg, lay, lay.rank_at(place.dp, place.pp, place.tp, place.cp))

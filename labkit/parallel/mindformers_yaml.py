@@ -262,5 +262,6 @@ def read_run_yaml(path) -> dict:
                         comm_recompute=bool(rc.get("parallel_optimizer_comm_recompute"))))
     pool = (doc.get("context") or {}).get("max_device_memory")
     return {"model": model, "layout": layout, "amp_level": level, "seq_len": int(mc["seq_length"]),
-            "flash_attention": bool(mc.get("use_flash_attention")), "ring_attention": bool(mc.get("use_ring_attention")),
+            "flash_attention": bool(mc.get("use_flash_attention")),
+            "ring_attention": bool(mc.get("use_ring_attention")),
             "max_device_memory_gib": float(str(pool).upper().removesuffix("GB")) if pool else None}

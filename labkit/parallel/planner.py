@@ -443,7 +443,8 @@ def plot_memory(result: dict, rows: list[Strategy] | None = None, ax=None, limit
     ax.axhline(result["device_memory_gib"], color="k", ls="--", lw=1, label="device memory")
     ax.set_ylim(0, max(max(bottom, default=0), result["device_memory_gib"]) * 1.3)  # room for the legend
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}{'/' + cp_text(r.layout) if r.cp > 1 else ''}\n{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
+    ax.set_xticklabels([f"{r.dp}/{r.mp}/{r.pp}{'/' + cp_text(r.layout) if r.cp > 1 else ''}\n"
+                        f"{r.recompute[:4]}{' Z' if r.optimizer_shard else ''}"
                         f"\nmb{r.micro_batch}" for r in rows], fontsize=7)
     ax.set_ylabel("GiB per device")
     ax.set_xlabel("dp/mp/pp[/cp], recompute, Z = optimizer shard, micro-batch")
