@@ -125,6 +125,42 @@ def test_cpu_runs_resolve_with_measured_peak_and_check_the_output_folder(tmp_pat
     assert "not found" in error_of(dataset="no/such/dir").what
 
 
+def test_resuming_on_other_cards_sets_the_keys_mindformers_reads(tmp_path):
+    """-p resume_from / resume_strategy become mindformers' load_checkpoint, resume_training, auto_trans_ckpt and
+    src_strategy_path_or_dir; each key is one mindformers 1.9's own loading code reads (its source, not a list kept
+    here), and a strategy without shards to continue from is refused by name."""
+    import inspect
+
+    from mindformers.trainer import trainer, utils
+
+    src = tmp_path / "old" / "output"
+    params = {"preset": "llama2_7b", "devices": 16, "output_dir": str(tmp_path / "run")}
+    run = pretrain.resolve({**params, "resume_from": str(src / "checkpoint"),
+                            "resume_strategy": str(src / "strategy")})
+    mf = yaml.safe_load(pretrain.write_configs(run)["mindformers.yaml"].read_text())
+    keys = {"load_checkpoint": str(src / "checkpoint"), "resume_training": True, "auto_trans_ckpt": True,
+            "src_strategy_path_or_dir": str(src / "strategy")}
+    assert {k: mf[k] for k in keys} == keys
+    reader = inspect.getsource(utils) + inspect.getsource(trainer)
+    assert all(f"config.{k}" in reader for k in keys)
+    same_layout = yaml.safe_load(pretrain.mindformers_yaml(pretrain.resolve({**params, "resume_from": str(src)})))
+    assert (same_layout["auto_trans_ckpt"], same_layout["src_strategy_path_or_dir"]) == (False, "")
+    own = yaml.safe_load(pretrain.mindformers_yaml(pretrain.resolve({**params, "resume": True})))
+    assert own["load_checkpoint"] == "./output/checkpoint" and own["resume_training"] is True
+    fresh = yaml.safe_load(pretrain.mindformers_yaml(pretrain.resolve(params)))
+    assert (fresh["load_checkpoint"], fresh["resume_training"], fresh["auto_trans_ckpt"]) == ("", False, False)
+    e = error_of(**params, resume_strategy=str(src / "strategy"))
+    assert "resume_strategy" in e.what and "resume_from" in e.fix
+
+
+def test_a_resume_folder_without_shards_is_refused_where_the_run_trains(tmp_path):
+    (tmp_path / "ck" / "rank_0").mkdir(parents=True)
+    e = error_of(output_dir=str(tmp_path / "run"), resume_from=str(tmp_path / "ck"))
+    assert "resume_from" in e.what and "rank_0" in e.what and "rank_N" in e.fix
+    e = error_of(output_dir=str(tmp_path / "run"), resume_from=str(tmp_path / "none"))
+    assert "not found" in e.what
+
+
 # ------------------------------------------------------------------------------------------ estimates
 
 

@@ -96,12 +96,15 @@ def mindformers_parallel_yaml(layout: Layout, **options) -> str:
 
 
 def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None, devices: int = 1,
-             max_device_memory_gib: float | None = None, resume: bool = False) -> dict:
+             max_device_memory_gib: float | None = None, resume: bool = False,
+             resume_from: str | None = None, src_strategy: str | None = None) -> dict:
     """A labkit run as a mindformers run YAML (keys as in r1.5.0 configs/llama2/pretrain_llama2_7b.yaml, types
     available in the installed mindformers 1.9.0): the model computing as `cfg.train.amp_level` says
     (labkit.config.AMP_LEVELS), the optimizer, the schedule, the data and `layout`'s parallel blocks.
     `max_device_memory_gib` is the memory pool MindSpore may take per device (None on CPU: not set).
-    A context-parallel layout is checked against mindformers' own rules first (context_parallel.check_mindformers)."""
+    A context-parallel layout is checked against mindformers' own rules first (context_parallel.check_mindformers).
+    `resume_from`: an earlier run's checkpoint folder (its rank_N folders) to continue from (`resume_keys`);
+    `src_strategy`: that run's strategy folder or file, when it trained under another layout or number of cards."""
     t, p = cfg.train, cfg.parallel
     model = model or cfg.model
     mode = p.parallel_mode if p.parallel_mode in PARALLEL_MODES else "data_parallel"
@@ -126,8 +129,8 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
     if max_device_memory_gib is not None:
         context["max_device_memory"] = f"{max(1.0, max_device_memory_gib):g}GB"
     return {
-        "seed": t.seed, "output_dir": "./output", "run_mode": "train", "load_checkpoint": t.init_checkpoint or "",
-        "auto_trans_ckpt": False, "resume_training": resume, "src_strategy_path_or_dir": "",
+        "seed": t.seed, "output_dir": "./output", "run_mode": "train",
+        **resume_keys(t.init_checkpoint, resume, resume_from, src_strategy),
         "trainer": {"type": "CausalLanguageModelingTrainer", "model_name": model.name},
         "runner_config": {"epochs": 1, "batch_size": t.micro_batch, "sink_mode": True, "sink_size": 1,
                           **par.pop("runner_config")},
@@ -148,6 +151,40 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
                       {"type": "CheckpointMonitor", "prefix": model.name, "integrated_save": False,
                        "save_checkpoint_steps": t.save_every or t.steps, "keep_checkpoint_max": t.keep_checkpoints}],
     }
+
+
+# where mindformers saves a run's shards (rank_N/ folders) and its strategy files (ckpt_strategy_rank_N.ckpt):
+# mindformers/utils/file_utils.py `set_checkpoint_save_path`, `set_strategy_save_path`, under output_dir ("./output"
+# in the YAML run_yaml writes)
+CHECKPOINTS, STRATEGY = "./output/checkpoint", "./output/strategy"
+
+
+def resume_keys(init_checkpoint: str | None, resume: bool, resume_from: str | None,
+                src_strategy: str | None) -> dict:
+    """The four keys with which mindformers 1.9 starts from weights or continues a run (read in
+    trainer/trainer.py `Trainer._validate_auto_trans_ckpt_requirements` and trainer/utils.py
+    `transform_and_load_checkpoint`, `load_resume_context_from_checkpoint`):
+      load_checkpoint           a complete checkpoint file, or a folder of rank_N folders (one shard per card);
+      resume_training           True: continue from the newest checkpoint of each rank_N (weights, optimizer
+                                state, step, loss scale) instead of only starting from its weights;
+      src_strategy_path_or_dir  the strategy the shards were saved under (mindformers writes it to
+                                output/strategy: one file per rank, merged by mindformers before use);
+      auto_trans_ckpt           True: mindformers reshards the checkpoint from that strategy to this run's
+                                (TransformCkpt, MindSpore's transform_checkpoints) before loading it; needed when
+                                the earlier run had another layout or number of cards. Over several nodes its
+                                output_dir must be on storage every node sees (mindformers refuses otherwise).
+    Continuing a run takes precedence over init weights: `resume_from` (another run's checkpoints), or with
+    `resume` alone this run's own (mindformers saves them to output_dir/checkpoint, output_dir "./output" here:
+    CHECKPOINTS). `src_strategy` needs `resume_from`."""
+    if src_strategy and not resume_from:
+        raise LabkitError("src_strategy is set without resume_from: a strategy describes the shards of a "
+                          "checkpoint to continue from", "give resume_from (the earlier run's checkpoint folder) "
+                          "too, or leave src_strategy unset")
+    if resume_from:
+        return {"load_checkpoint": str(resume_from), "auto_trans_ckpt": bool(src_strategy), "resume_training": True,
+                "src_strategy_path_or_dir": str(src_strategy or "")}
+    return {"load_checkpoint": CHECKPOINTS if resume else init_checkpoint or "", "auto_trans_ckpt": False,
+            "resume_training": resume, "src_strategy_path_or_dir": ""}
 
 
 def run_yaml_text(cfg: RunConfig, layout: Layout, **options) -> str:

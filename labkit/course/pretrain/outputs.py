@@ -31,7 +31,9 @@ def mindformers_yaml(run: PretrainRun) -> str:
     """The same run as a mindformers run YAML (labkit.parallel.mindformers_yaml.run_yaml_text)."""
     memory = run.device_memory_gib - run.device.overhead_gib if run.cfg.parallel.device_target != "CPU" else None
     return mf_yaml.run_yaml_text(run.cfg, run.strategy.layout, model=run.model, devices=run.devices,
-                                 max_device_memory_gib=memory, resume=run.resume)
+                                 max_device_memory_gib=memory, resume=run.resume,
+                                 resume_from=run.resume_from and str(run.resume_from),
+                                 src_strategy=run.resume_strategy and str(run.resume_strategy))
 
 
 def commands(run: PretrainRun) -> dict:

@@ -101,6 +101,10 @@ PARAMETERS = (
     Param("output_dir", None, None, "output_dir", "run folder, relative to where you run; None: "
           "runs/pretrain/<preset> (replaced on every run)"),
     Param("resume", bool, False, None, "continue from the newest checkpoint in output_dir"),
+    Param("resume_from", str, None, None, "mindformers launcher: an earlier run's checkpoint folder (its "
+          "output/checkpoint, one rank_N folder per card) to continue from; None: none"),
+    Param("resume_strategy", str, None, None, "mindformers launcher: that run's strategy folder (its "
+          "output/strategy) when it ran on another number of cards or layout: mindformers reshards (auto_trans_ckpt)"),
     Param("overwrite", bool, False, None, "start over in an output_dir that already holds a run"),
     Param("interactive", bool, False, None, "show the widget form (JupyterLab; ignored under papermill/nbval)"),
 )

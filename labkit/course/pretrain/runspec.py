@@ -62,6 +62,8 @@ class PretrainRun:
     output_dir: Path
     resume: bool = False
     overwrite: bool = False
+    resume_from: Path | None = None  # mindformers launcher: an earlier run's checkpoint folder (rank_N folders)
+    resume_strategy: Path | None = None  # that run's strategy folder, when its layout differs (auto_trans_ckpt)
     params: dict = field(default_factory=dict)  # the parameters as given
     sources: dict = field(default_factory=dict)  # parameter -> where its value came from
 
@@ -386,10 +388,42 @@ def resolve(namespace: dict, *, check_files: bool = True) -> PretrainRun:
                       master_addr=given["master_addr"], master_port=given["master_port"], strategy=best,
                       alternatives=found.rows[1:], can_train=place.why_not is None, why_not=place.why_not,
                       output_dir=out.resolve(), resume=given["resume"], overwrite=given["overwrite"] or scratch,
-                      params=given, sources=sources)
+                      resume_from=_resume_path(given, "resume_from"),
+                      resume_strategy=_resume_path(given, "resume_strategy"), params=given, sources=sources)
     if check_files and run.can_train:
         _check_files(run, checkpoint)
     return run
+
+
+def _resume_path(given: dict, name: str) -> Path | None:
+    """resume_from / resume_strategy as an absolute path (None when not given); resume_strategy needs resume_from."""
+    if given["resume_strategy"] is not None and given["resume_from"] is None:
+        raise LabkitError("parameter resume_strategy is set without resume_from: a strategy describes the shards "
+                          "of a checkpoint to continue from", "give -p resume_from (the earlier run's "
+                          "output/checkpoint folder) too, or leave resume_strategy unset")
+    return None if given[name] is None else _user_path(given[name])
+
+
+def _check_resume_from(run: PretrainRun) -> None:
+    """An earlier run's shards to continue from: a folder of rank_N folders (each with a .ckpt or .safetensors)
+    or one complete checkpoint file, and its strategy folder or file when given."""
+    src, strategy = run.resume_from, run.resume_strategy
+    if src is None:
+        return
+    fix = "give the earlier run's output/checkpoint folder (one rank_N folder per card) or a complete .ckpt file"
+    if not src.exists():
+        raise LabkitError(f"parameter resume_from = {run.params['resume_from']} not found (looked at {src})", fix)
+    if src.is_dir():
+        ranks = [d for d in src.glob("rank_*") if d.is_dir()]
+        empty = [d.name for d in ranks if not any(d.glob("*.ckpt")) and not any(d.glob("*.safetensors"))]
+        if not ranks or empty:
+            raise LabkitError(f"parameter resume_from = {src} holds "
+                              + (f"no checkpoint in {', '.join(sorted(empty))}" if ranks else "no rank_N folder"),
+                              fix)
+    if strategy is not None and not strategy.exists():
+        raise LabkitError(f"parameter resume_strategy = {run.params['resume_strategy']} not found (looked at "
+                          f"{strategy})", "give the earlier run's output/strategy folder (ckpt_strategy_rank_N.ckpt "
+                          "files) or one merged strategy file")
 
 
 def host_ram_gib() -> float:
@@ -401,6 +435,7 @@ def host_ram_gib() -> float:
 
 def _check_files(run: PretrainRun, checkpoint) -> None:
     c = run.cfg
+    _check_resume_from(run)
     for what, value, need in (("dataset", c.data.dataset, "a MindRecord folder from `labkit data build`"),
                               ("tokenizer", c.data.tokenizer, "a tokenizer folder with tokenizer.model"),
                               ("init_checkpoint", c.train.init_checkpoint, "a `labkit convert hf2ms` output")):
