@@ -26,6 +26,7 @@ from labkit.errors import LabkitError
 from labkit.io import atomic_dir
 from labkit.model import scratch
 from labkit.training.checkpoint import file_digest
+from labkit.weights.convert import ms2hf, write_converted
 from labkit.weights.formats import ckpt_index
 
 NUMPY = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "float64": np.float64}
@@ -245,13 +246,17 @@ def mindspore_merge(src: Path, work: Path, strategy: Path | None = None) -> Path
 # ------------------------------------------------------------------------------------------ cut for a layout
 
 
-def check_target(cfg: ModelConfig, layout: HandLayout, state: dict) -> None:
+def check_target(cfg: ModelConfig, layout: HandLayout, state: dict, dst: Path) -> None:
     """The layout must divide the tensors and the batch: what `HandLayout.check` and each worker's shard check say,
-    before anything is written."""
+    before anything is written to `dst`."""
     batch = state["samples"] // state["step"] if state["step"] else 8
-    layout.check(cfg, batch)
-    for r in range(layout.workers):
-        scratch.check_shard(cfg, shards.stage_shard(cfg, layout, r))
+    try:
+        layout.check(cfg, batch)
+        for r in range(layout.workers):
+            scratch.check_shard(cfg, shards.stage_shard(cfg, layout, r))
+    except LabkitError as e:
+        raise LabkitError(f"{dst}: layout '{layout.name}' cannot hold this checkpoint of model {cfg.name}: {e.what}",
+                          f"{e.fix or 'choose another layout'} (nothing was written)") from None
     shapes = scratch.shapes(cfg)
     missing = sorted(set(shapes) - set(state["weights"]))
     if missing:
@@ -261,7 +266,7 @@ def check_target(cfg: ModelConfig, layout: HandLayout, state: dict) -> None:
 def write(dst: str | Path, state: dict, cfg: ModelConfig, layout: HandLayout, overwrite: bool = False) -> Path:
     """The full `state` cut for every rank of `layout`, written as a sharded checkpoint into `dst` (all or
     nothing: a temporary folder renamed at the end)."""
-    check_target(cfg, layout, state)
+    check_target(cfg, layout, state, Path(dst))
     with atomic_dir(dst, overwrite=overwrite) as tmp:
         for r in range(layout.workers):
             shards.write_shard(tmp, cfg, layout, r, shards.rank_tensors(state, cfg, layout, r), state["step"],
@@ -272,8 +277,6 @@ def write(dst: str | Path, state: dict, cfg: ModelConfig, layout: HandLayout, ov
 def to_hf(state: dict, cfg: ModelConfig, dst: str | Path, work: Path) -> Path:
     """The merged weights through the lab's Hugging Face path: a converted MindSpore folder (`write_converted`),
     then `ms2hf` into `dst`."""
-    from labkit.weights.convert import ms2hf, write_converted  # noqa: PLC0415  the HF path imports it lazily
-
     src = write_converted(work / "ms", cfg, state["weights"])
     ms2hf(src, dst)
     return Path(dst)
