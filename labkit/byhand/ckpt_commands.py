@@ -110,7 +110,7 @@ def add_cli(parser) -> None:
     m.set_defaults(func=_cli_merge)
     r = sub.add_parser("reshard", help="cut the full state for another layout's ranks")
     r.add_argument("dir", help="one step's folder: rank_0/, rank_1/, ..., strategy/")
-    r.add_argument("--to", required=True, help="a layout name (dp2, tp2, pp2_1f1b, zero2, dp2_tp2, ...)")
+    r.add_argument("--to", required=True, metavar="LAYOUT", help="a layout name (dp2, tp2, pp2_1f1b, zero2, dp2_tp2, ...)")
     r.add_argument("--out", required=True, help="folder to write (atomically)")
     r.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     add_common_flags(r)

@@ -83,13 +83,7 @@ def read_strategy(path: Path) -> dict:
 
 def piece_of(layout_item: tuple, local: int) -> tuple[tuple, tuple]:
     """(piece index, pieces) per dimension for the stage's rank `local`, from a strategy's layout item alone."""
-    dev, tmap, opt_size, opt_step = layout_item
-    coords = np.unravel_index(local, dev) if dev else ()
-    idx = [0 if a == -1 else int(coords[len(dev) - 1 - a]) for a in tmap]
-    counts = [1 if a == -1 else dev[len(dev) - 1 - a] for a in tmap]
-    if opt_size:
-        idx[0], counts[0] = idx[0] * opt_size + (local // max(opt_step, 1)) % opt_size, counts[0] * opt_size
-    return tuple(idx), tuple(counts)
+    return shards.piece_of(*layout_item, local)
 
 
 def _bad(path: Path, what: str, fix: str) -> LabkitError:

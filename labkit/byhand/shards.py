@@ -91,12 +91,6 @@ def hand_rank(layout: HandLayout, k: int) -> int:
     return layout.rank_at(dp, stage, tp, cp)
 
 
-def local_coords(layout: HandLayout, local: int) -> tuple[int, int, int]:
-    """(dp, cp, tp) of a rank's index inside its stage (row-major over the device matrix)."""
-    dp, rest = divmod(local, layout.cp * layout.tp)
-    return (dp, *divmod(rest, layout.tp))
-
-
 def flat_buffers(cfg: ModelConfig, layout: HandLayout) -> list[list[str]]:
     """The names each flat buffer packs, in order: ZeRO's one buffer of every parameter, optimizer parallel's one
     per unit; none for the other layouts."""
@@ -147,23 +141,23 @@ def opt_step(layout: HandLayout) -> int:
     return layout.cp * layout.tp
 
 
-def piece_index(spec: Spec, layout: HandLayout, local: int) -> tuple[tuple, tuple]:
-    """(which piece per dimension, pieces per dimension) that the stage's rank `local` holds of `spec`."""
-    dev = dev_matrix(layout)
-    coords = local_coords(layout, local)
-    idx, counts = [], []
-    for axis in spec.tensor_map:
-        if axis == -1:
-            idx.append(0)
-            counts.append(1)
-        else:
-            d = len(dev) - 1 - axis
-            idx.append(coords[d])
-            counts.append(dev[d])
-    if spec.opt_shard:
-        group = (local // opt_step(layout)) % spec.opt_shard
-        idx[0], counts[0] = idx[0] * spec.opt_shard + group, counts[0] * spec.opt_shard
+def piece_of(dev: list, tmap: tuple, opt_size: int, opt_step: int, local: int) -> tuple[tuple, tuple]:
+    """(which piece per dimension, pieces per dimension) that rank `local` of a stage holds of a tensor laid out by
+    a device matrix, a tensor map (axes counted from the right) and an optimizer-shard group (size, stride): its
+    coordinates in the device matrix, row-major, pick the piece along each split dimension; the optimizer shard
+    cuts dimension 0 again by the rank's place in its group."""
+    coords = np.unravel_index(local, dev) if len(dev) else ()
+    idx = [0 if a == -1 else int(coords[len(dev) - 1 - a]) for a in tmap]
+    counts = [1 if a == -1 else int(dev[len(dev) - 1 - a]) for a in tmap]
+    if opt_size:
+        idx[0], counts[0] = idx[0] * opt_size + (local // max(opt_step, 1)) % opt_size, counts[0] * opt_size
     return tuple(idx), tuple(counts)
+
+
+def piece_index(spec: Spec, layout: HandLayout, local: int) -> tuple[tuple, tuple]:
+    """`piece_of` for a saved tensor of `layout`."""
+    return piece_of(dev_matrix(layout), spec.tensor_map, spec.opt_shard, opt_step(layout) if spec.opt_shard else 0,
+                    local)
 
 
 def piece_shape(spec: Spec, layout: HandLayout) -> tuple:
