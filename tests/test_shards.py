@@ -69,6 +69,7 @@ def test_merge_by_hand_and_by_mindspore_give_the_state(name, state, saved, tmp_p
     assert same(reshard.merge_with_mindspore(ckpt, tmp_path), state)
 
 
+@pytest.mark.slow  # every layout's real shards merge in the slow tests below; this is the same for synthetic state
 def test_every_layout_cuts_and_merges_back(state, saved):
     for name in LAYOUTS:
         assert same(reshard.merge(reshard.read(saved(name))), state), name
@@ -168,11 +169,11 @@ def test_missing_rank_is_refused(saved, tmp_path):
     _refused(src, tmp_path / "out", r"rank_2: rank 2's shard is missing .*\n  fix: copy rank_2/")
 
 
-def test_two_steps_are_refused(saved, tmp_path):
+def test_two_steps_are_refused(saved, state, tmp_path):
     src = _copy(saved, "tp2", tmp_path)
-    rec = src / "rank_1" / "shard_1.json"
-    d = json.loads(rec.read_text())
-    rec.write_text(json.dumps({**d, "step": 5}))
+    later = reshard.write(tmp_path / "step5", {**state, "step": 5, "samples": 40}, CFG, LAYOUTS["tp2"])
+    shutil.rmtree(src / "rank_1")
+    shutil.copytree(later / "rank_1", src / "rank_1")  # rank 1's folder of another step
     _refused(src, tmp_path / "out", r"shards of different steps: rank 0 at step 2, rank 1 \(rank_1/shard_1.ckpt\) "
                                     r"at step 5")
 
