@@ -122,6 +122,12 @@ def test_cli_inspect_merge_reshard(saved, state, tmp_path, capfd):
     for tool in ("lab", "mindspore"):
         assert cli.main(["ckpt", "merge", str(saved("opt2")), "--out", str(tmp_path / tool), "--tool", tool]) == 0
         assert same(reshard.merge(reshard.read(tmp_path / tool)), state)
+    capfd.readouterr()
+    assert cli.main(["ckpt", "merge", str(saved("tp2")), "--out", str(tmp_path / "m"), "--hf", str(tmp_path / "hf"),
+                     "--json"]) == 0
+    assert json.loads(capfd.readouterr().out)["hf"] == str(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (CFG.hidden_size, CFG.num_layers)
     assert cli.main(["ckpt", "reshard", str(saved("zero1")), "--to", "dp2_tp2_pp2", "--out",
                      str(tmp_path / "r")]) == 0
     again = reshard.read(tmp_path / "r")

@@ -2,7 +2,9 @@
 one rank and cut for another layout (labkit.byhand.reshard).
 
     labkit ckpt inspect DIR                               layout, step, data position, per rank its tensors
-    labkit ckpt merge DIR --out OUT [--tool lab|mindspore]  the full state as a one-rank checkpoint
+    labkit ckpt merge DIR --out OUT [--tool lab|mindspore] [--hf HF]
+                                                          the full state as a one-rank checkpoint (and the
+                                                          weights as a Hugging Face model: convert's ms2hf)
     labkit ckpt reshard DIR --to LAYOUT --out OUT         the full state cut for LAYOUT's ranks
 
 DIR is one step's folder (rank_0/, rank_1/, ..., strategy/). `merge --tool mindspore` also takes a cluster run's
@@ -21,6 +23,7 @@ from labkit.byhand.worker import HandLayout
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir, check_output_dir
 from labkit.output import add_common_flags, emit
+from labkit.weights.convert import ms2hf, write_converted
 
 GRID = re.compile(r"(dp|tp|pp|cp)(\d+)")
 
@@ -53,15 +56,21 @@ def inspect(root: str | Path) -> dict:
 
 
 def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | Path | None = None,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, hf: str | Path | None = None) -> dict:
     """The full state of the checkpoint in `root` written to `out` as a one-rank checkpoint of layout "single",
-    merged by hand ("lab") or by MindSpore's transform_checkpoints ("mindspore"). Shards without the lab's records
-    (a cluster run's) are merged by MindSpore alone into out/merged.ckpt."""
+    merged by hand ("lab") or by MindSpore's transform_checkpoints ("mindspore"), and with `hf` its weights as a
+    Hugging Face model too. Shards without the lab's records (a cluster run's) are merged by MindSpore alone into
+    out/merged.ckpt."""
     if tool not in ("lab", "mindspore"):
         raise LabkitError(f"tool '{tool}' is not known", "use --tool lab or --tool mindspore")
     check_output_dir(out, overwrite)
+    if hf:
+        check_output_dir(hf, overwrite)
     root = Path(root)
     if tool == "mindspore" and not list(root.glob(f"rank_[0-9]*/{shards.PREFIX}*.json")):
+        if hf:
+            raise LabkitError(f"{root}: shards without the lab's records carry no model configuration for --hf",
+                              "merge without --hf, then convert OUT/merged.ckpt with the model's config")
         if not list(root.glob("rank_[0-9]*/*.ckpt")):
             raise LabkitError(f"{root}: no rank_<k>/*.ckpt shards", "give the folder that holds rank_0, rank_1, ...")
         with tempfile.TemporaryDirectory() as work, atomic_dir(out, overwrite) as tmp:
@@ -77,8 +86,12 @@ def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | 
         with tempfile.TemporaryDirectory() as work:
             state = reshard.merge_with_mindspore(ckpt, Path(work))
     reshard.write(out, state, ckpt.cfg, HandLayout("single"), overwrite)
+    if hf:
+        with tempfile.TemporaryDirectory() as work:  # the lab's HF path: a converted folder, then ms2hf
+            ms2hf(write_converted(Path(work) / "ms", ckpt.cfg, state["weights"]), hf, overwrite=overwrite)
     return {"out": str(out), "tool": tool, "records": True, "from": ckpt.layout.name, "step": state["step"],
-            "samples": state["samples"], "weights": len(state["weights"]), "moments": 2 * len(state["adam_m"])}
+            "samples": state["samples"], "weights": len(state["weights"]), "moments": 2 * len(state["adam_m"]),
+            "hf": str(hf) if hf else None}
 
 
 def reshard_to(root: str | Path, to: str, out: str | Path, overwrite: bool = False) -> dict:
@@ -105,7 +118,8 @@ def add_cli(parser) -> None:
                    help="merge by hand (lab) or with mindspore.parallel.transform_checkpoints (default: lab)")
     m.add_argument("--strategy", default=None,
                    help="--tool mindspore: a strategy file, or a folder of per-stage files (default: DIR/strategy)")
-    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--hf", default=None, help="also write the merged weights as a Hugging Face model here")
+    m.add_argument("--overwrite", action="store_true", help="replace --out (and --hf) if it exists")
     add_common_flags(m)
     m.set_defaults(func=_cli_merge)
     r = sub.add_parser("reshard", help="cut the full state for another layout's ranks")
@@ -132,7 +146,7 @@ def _cli_inspect(args) -> int:
 
 
 def _cli_merge(args) -> int:
-    r = merge(args.dir, args.out, args.tool, args.strategy, args.overwrite)
+    r = merge(args.dir, args.out, args.tool, args.strategy, args.overwrite, args.hf)
     emit(args, {"ok": True, **r}, f"merged {args.dir} with {r['tool']} into {r['out']}")
     return 0
 
