@@ -27,6 +27,7 @@ COMMANDS = {
     "generate": ("labkit.training.generate", "continue a prompt with a trained checkpoint (CPU sampler)"),
     "launch": ("labkit.launch.launcher", "start labkit train under msrun on N workers"),
     "plan": ("labkit.parallel.plan_cli", "plan the parallel strategy: memory and time per card"),
+    "ckpt": ("labkit.byhand.ckpt_commands", "inspect, merge and reshard the by-hand layouts' sharded checkpoints"),
 }
 
 

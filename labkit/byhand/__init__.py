@@ -10,4 +10,7 @@ model, data and training (the lr schedule); not the planner (labkit.parallel), w
     data_parallel       data parallel and ZeRO-1/2: the optimizers, flat sharded buffers
     optimizer_parallel  MindSpore's optimizer parallel, levels 1-3 (the weights sharded too)
     worker              HandLayout (the grid of one run), a worker's parameters, groups and step
-    runs                the msrun worker program (python -m labkit.byhand.runs) and its RankResult"""
+    runs                the msrun worker program (python -m labkit.byhand.runs) and its RankResult
+    shards              each worker's shard of a checkpoint in MindSpore's files, its strategy (ParallelStrategyMap)
+    reshard             a sharded checkpoint checked, merged by hand or by MindSpore's tools, cut for another layout
+    ckpt_commands       labkit ckpt inspect | merge | reshard"""

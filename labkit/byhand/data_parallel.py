@@ -76,6 +76,13 @@ class AdamW(WholeGradients):
         self.step += 1
         return {"loss": loss, "grad_norm": norm}
 
+    def state(self) -> dict:
+        """The moments by parameter name and the step: what a checkpoint keeps (labkit.byhand.shards)."""
+        return {"m": dict(self.m), "v": dict(self.v), "step": self.step}
+
+    def load_state(self, state: dict) -> None:
+        self.m, self.v, self.step = dict(state["m"]), dict(state["v"]), int(state["step"])
+
     def nbytes(self) -> int:
         return sum(nbytes(t) for t in (*self.m.values(), *self.v.values()))
 
@@ -102,6 +109,13 @@ class FlatAdamW:
         self.step += 1
         return p, norm
 
+    def state(self) -> dict:
+        """This worker's slice vectors of the moments (`Buckets`' order) and the step."""
+        return {"m": self.m, "v": self.v, "step": self.step}
+
+    def load_state(self, state: dict) -> None:
+        self.m, self.v, self.step = state["m"], state["v"], int(state["step"])
+
     def nbytes(self) -> int:
         return nbytes(self.m) + nbytes(self.v)
 
@@ -124,6 +138,12 @@ class ZeRO1(WholeGradients):
         for n, value in self.buckets.unpack(0, self.buckets.gather(p, 0, Op.ZERO_ALL_GATHER)).items():
             w.params[n].set_data(value)
         return {"loss": loss, "grad_norm": norm}
+
+    def state(self) -> dict:
+        return self.flat.state()
+
+    def load_state(self, state: dict) -> None:
+        self.flat.load_state(state)
 
     def nbytes(self) -> int:
         return self.flat.nbytes()

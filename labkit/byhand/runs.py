@@ -13,7 +13,11 @@ profile.py would hide the standard library's (which transformers imports).
 A launch pays MindSpore's start-up once and runs its layouts one after the other; each writes, per rank,
 OUT/<layout>/rank<r>.json (a `RankResult`: losses, grad norms, bytes held and sent, the pipeline's timeline) and
 OUT/<layout>/weights_rank<r>.npz (the worker's final parameters, its tensor-parallel slices as they are; an
-optimizer-parallel worker gathers its full weights from the slices to save them).
+optimizer-parallel worker gathers its full weights from the slices to save them) and its shard of a checkpoint of
+the final step, OUT/<layout>/ckpt/step_<n>/ (labkit.byhand.shards); the sources of the resumes also save one at
+step RESUME_AT. After its layouts a launch resumes runs under another layout (`RESUMES`): each merges a source's
+checkpoint of step RESUME_AT (written earlier in the same launch: a barrier on every worker first), cuts it for the
+target's ranks, and trains the remaining steps; its result is OUT/resume_<source>_to_<target>/ like a layout's.
 The reference runs the same model, data, seed and step on one process, in float32 (the run to equal) and in
 float64 (to measure how far float32 rounding alone moves the float32 run: the tolerance's yardstick)."""
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.byhand import reshard, shards
 from labkit.byhand.comm import Group, Op, Sent, Traffic, io_bytes, make_group, op_named
 from labkit.byhand.optimizer_parallel import OptimizerParallel
 from labkit.byhand.pipeline_parallel import StageStep, pipeline_step
@@ -59,6 +64,26 @@ SETTINGS = dict(preset="tiny", seq_len=32, global_batch=8, steps=3, seed=1234)
 # runs of a few steps.
 TRAIN = dataclasses.replace(TrainConfig(), warmup_steps=2, decay_steps=20)
 REFERENCE = HandLayout("single")
+RESUME_AT = 1  # the step the resumes start from: two steps are trained after it
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A run saved under layout `source` at step RESUME_AT, resumed under `target` (both names of LAYOUTS);
+    `reset_moments` zeroes the AdamW moments on the way (a resume done wrong, which must not equal the source)."""
+    source: str
+    target: str
+    reset_moments: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"resume_{self.source}_to_{self.target}" + ("_moments_reset" if self.reset_moments else "")
+
+
+# By the launch they run in: a launch of 4 workers resumes a 4-worker run on 2 of them (the others wait).
+RESUMES = {2: [Resume("dp2", "tp2"), Resume("tp2", "pp2_1f1b"), Resume("zero2", "dp2"),
+               Resume("dp2", "tp2", reset_moments=True)],
+           4: [Resume("dp2_tp2", "dp2")]}
 # The activation-memory probe: MindSpore prints its memory pool's peak when a process ends, so each layout measured
 # has a launch of its own (the CPU backend gathers only on the world group), one step at a sequence long
 # enough for the norm tensors sequence parallelism splits (8 x 256 x 256 floats = 2 MiB each) to stand out of the
@@ -136,11 +161,13 @@ def model_cfg(settings: dict = SETTINGS):
     return model_preset(settings["preset"])
 
 
-def step_batches(layout: HandLayout, dp_index: int, settings: dict = SETTINGS):
-    """Per optimizer step, the list of micro-batches (token ids [b, s+1]) this data-parallel index reads."""
+def step_batches(layout: HandLayout, dp_index: int, settings: dict = SETTINGS, start_step: int = 0):
+    """Per optimizer step from `start_step` on, the list of micro-batches (token ids [b, s+1]) this data-parallel
+    index reads."""
     dataset = ensure_dataset(settings["seq_len"], progress=False)
     mb = settings["global_batch"] // (layout.dp * layout.micro)
-    it = make_loader(dataset, mb, seed=settings["seed"], dp_size=layout.dp, dp_rank=dp_index, accum=layout.micro)
+    it = make_loader(dataset, mb, seed=settings["seed"], dp_size=layout.dp, dp_rank=dp_index, accum=layout.micro,
+                     start_step=start_step)
     while True:
         yield [next(it) for _ in range(layout.micro)]
 
@@ -154,20 +181,30 @@ def groups_of(layout: HandLayout, rank: int, world: int, traffic: Traffic) -> di
 
 
 def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings: dict = SETTINGS,
-                 dtype=np.float32) -> RankResult:
+                 dtype=np.float32, save_at: tuple = (), start: dict | None = None) -> RankResult:
+    """Train `layout` as worker `rank`; save a checkpoint after each step of `save_at` (OUT/<layout>/ckpt/step_<n>);
+    from the full state `start` (reshard.merge's) when given, at its step and data position, else from the seed."""
     cfg = model_cfg(settings)
     layout.check(cfg, settings["global_batch"])
     traffic = Traffic()
     groups = groups_of(layout, rank, world, traffic)
     kind = OptimizerParallel if layout.opt_level else Worker
-    worker = kind(cfg, layout, scratch.init(cfg, settings["seed"]), rank, groups, TRAIN, dtype)
-    batches = step_batches(layout, layout.place(rank).dp, settings)
+    worker = kind(cfg, layout, start["weights"] if start else scratch.init(cfg, settings["seed"]), rank, groups,
+                  TRAIN, dtype)
+    first = 0
+    if start:  # this rank's slice of the weights, moments and step; the data from the step it stopped at
+        shards.load_worker(worker, shards.rank_tensors(start, cfg, layout, rank))
+        first = start["samples"] // settings["global_batch"]
+    batches = step_batches(layout, layout.place(rank).dp, settings, first)
     steps, t0 = [], time.time()
     io0 = io_bytes()
-    for _ in range(settings["steps"]):
+    for step in range(first, settings["steps"]):
         micro = next(batches)
         row = pipeline_step(worker, micro) if layout.pp > 1 else worker.train_step(micro)
         steps.append(row)
+        if step + 1 in save_at:
+            shards.save_worker(worker, out / layout.name / "ckpt" / f"step_{step + 1}", step + 1,
+                               (step + 1) * settings["global_batch"])
     io = io_bytes() - io0
     result = RankResult(layout, rank, np.dtype(dtype).name, tuple(r["loss"] for r in steps),
                         tuple(r["grad_norm"] for r in steps), worker.bytes_held(), traffic.counts(),
@@ -178,6 +215,35 @@ def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings:
     os.replace(where / f".weights_rank{rank}.tmp.npz", where / f"weights_rank{rank}.npz")
     atomic_write_text(where / f"rank{rank}.json", result.to_json())
     return result
+
+
+def saves(layout: HandLayout, settings: dict = SETTINGS) -> tuple:
+    """The steps a layout of the launches saves a checkpoint at: the last, and RESUME_AT for a resume's source."""
+    sources = {r.source for rs in RESUMES.values() for r in rs}
+    return (RESUME_AT, settings["steps"]) if layout.name in sources else (settings["steps"],)
+
+
+def resume_layout(r: Resume, rank: int, world: int, out: Path, settings: dict = SETTINGS) -> RankResult:
+    """Resume `r`: the source's checkpoint of step RESUME_AT merged by hand, trained on under the target layout
+    (named r.name) to the last step."""
+    state = reshard.merge(reshard.read(out / r.source / "ckpt" / f"step_{RESUME_AT}"))
+    if r.reset_moments:
+        state = {**state, "adam_m": {n: np.zeros_like(a) for n, a in state["adam_m"].items()},
+                 "adam_v": {n: np.zeros_like(a) for n, a in state["adam_v"].items()}}
+    target = dataclasses.replace(layouts()[r.target], name=r.name)
+    return train_layout(target, rank, world, out, settings, start=state)
+
+
+def layouts() -> dict[str, HandLayout]:
+    return {lay.name: lay for n in sorted(LAYOUTS) for lay in LAYOUTS[n]}
+
+
+def barrier() -> None:
+    """Every worker of the launch waits here for the others (an all-reduce on the world group)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    ops.AllReduce()(ms.Tensor(np.ones(1, np.float32))).asnumpy()
 
 
 def _context():
@@ -211,7 +277,13 @@ def main(argv=None) -> int:
     wanted = [s for s in args.only.split(",") if s]
     for layout in LAYOUTS[world]:
         if not wanted or layout.name in wanted:
-            train_layout(layout, rank, world, out)
+            train_layout(layout, rank, world, out, save_at=saves(layout))
+    if not wanted:  # the resumes read checkpoints every worker wrote above
+        barrier()
+        for r in RESUMES.get(world, []):
+            if rank < layouts()[r.target].workers:
+                resume_layout(r, rank, world, out)
+        barrier()
     if world == 2 and not wanted:  # start-up is paid: the two references run here, one per worker, side by side
         dtype = ("float32", "float64")[rank]
         train_layout(HandLayout(f"single_{dtype}"), 0, 1, out, dtype=np.dtype(dtype).type)  # a world of one

@@ -57,16 +57,18 @@ def parallel_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) 
         ensure_dataset(runs.SETTINGS["seq_len"], progress=False)  # built once here, not by every worker at once
     root.mkdir(parents=True, exist_ok=True)
     for workers in sorted(runs.LAYOUTS):
-        _launch(mode, root / f"workers{workers}", ["worker"], workers, [lay.name for lay in runs.LAYOUTS[workers]],
+        expected = {lay.name: workers for lay in runs.LAYOUTS[workers]}
+        expected.update({r.name: runs.layouts()[r.target].workers for r in runs.RESUMES.get(workers, [])})
+        _launch(mode, root / f"workers{workers}", ["worker"], workers, expected,
                 what=f"the {workers}-worker parallel layouts", timeout=timeout)
     return root
 
 
-def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: list[str], *, what: str,
+def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: dict[str, int], *, what: str,
             timeout: float, env: dict | None = None) -> None:
     """One msrun launch of `python -m labkit.byhand.runs TASK[0] folder TASK[1:]`, unless fresh results are
-    there (folder/DONE holds today's `launch_key`); done when every layout of `expected` has a result from each
-    worker."""
+    there (folder/DONE holds today's `launch_key`); done when every run of `expected` (name: workers) has a
+    result from each of its workers."""
     key, done = launch_key(task, workers, env), folder / "DONE"
     if mode == "auto" and stamped(done, key) or mode == "cached":
         if not stamped(done, key):
@@ -83,7 +85,7 @@ def _launch(mode: str, folder: Path, task: list[str], workers: int, expected: li
         launch_workers.run_workers(
             ["python", "-m", runs.__name__, task[0], str(folder), *task[1:]], workers, folder, what=what,
             timeout=timeout, env=env,
-            expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == workers for n in expected))
+            expect=lambda: all(len(list((folder / n).glob("rank*.json"))) == k for n, k in expected.items()))
         stamp(done, key)
 
 
@@ -97,7 +99,7 @@ def memory_runs(mode: str = "auto", root: Path = CACHE, timeout: float = 600) ->
     folder = root / "memory"
     folder.mkdir(parents=True, exist_ok=True)
     for lay in runs.MEMORY_LAYOUTS:
-        _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.workers, [lay.name],
+        _launch(mode, folder / lay.name, ["memory", "--only", lay.name], lay.workers, {lay.name: lay.workers},
                 what=f"the activation-memory probe of {lay.name}", timeout=timeout, env=POOL_STATS_ENV)
     return folder
 
@@ -254,6 +256,21 @@ def compare(root: Path | None = None) -> dict:
             out[lay.name] = LayoutRun(lay, workers, loss_diff, weight_diff, sorted(full) == sorted(ref.weights),
                                       loss_diff <= tol["loss"] and weight_diff <= tol["weight"], tuple(rows))
     return {"tolerance": tol, "reference": ref, "layouts": out}
+
+
+def resumed(root: Path | None = None) -> dict:
+    """Per resume of the launches (runs.RESUMES): the largest differences of its continued steps' losses and of
+    its final weights from the uninterrupted run of its source layout, and whether both are within the tolerances."""
+    root = root or parallel_runs("cached")
+    tol, out = tolerances(root), {}
+    for r in (r for rs in runs.RESUMES.values() for r in rs):
+        src, rows = load(root, r.source), load(root, r.name)
+        want, got = gathered(src), gathered(rows)
+        loss = max(abs(a - b) for a, b in zip(rows[-1].losses, src[-1].losses[runs.RESUME_AT:], strict=True))
+        weight = max(float(np.abs(got[k] - want[k]).max()) for k in want)
+        out[r.name] = {"source": r.source, "target": r.target, "loss_diff": loss, "weight_diff": weight,
+                       "equal": loss <= tol["loss"] and weight <= tol["weight"], "steps": len(rows[-1].losses)}
+    return {"tolerance": tol, "resumes": out}
 
 
 # ------------------------------------------------------------------------------------------ against the planner
