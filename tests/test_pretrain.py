@@ -3,6 +3,7 @@ path and the validation stop here; its multi-worker training path runs once per 
 (two nodes, resumed, equal to one node and one card), its CPU smoke run under nbval."""
 import html
 import json
+import shlex
 
 import pytest
 import yaml
@@ -211,6 +212,12 @@ def test_written_configs_agree(tmp_path):
     launch = files["launch.sh"].read_text()
     assert "labkit launch --workers 8" in launch and "msrun_launcher.sh" in launch and "-p preset llama2_7b_seed" \
         in launch
+    merge = pretrain.commands(run)["merge"]  # after the run: a command `labkit ckpt merge` parses as written
+    assert f"# {merge}" in launch
+    from labkit.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(merge)[1:])
+    assert (args.tool, args.model, args.hf) == ("mindspore", str(files["mindformers.yaml"]), str(tmp_path / "seed" / "hf"))
 
 
 # ------------------------------------------------------------------------------------------ display pieces

@@ -147,6 +147,22 @@ def test_merge_mindformers_style_shards_with_mindspore(saved, state, tmp_path):
     merged = reshard.read_ckpt(tmp_path / "out" / "merged.ckpt")
     for n, a in state["weights"].items():
         assert np.array_equal(merged[n], a) and np.array_equal(merged["adam_v." + n], state["adam_v"][n])
+    with pytest.raises(LabkitError, match="--model"):  # HF needs the model, which such shards do not record
+        ckpt_commands.merge(src, tmp_path / "no", tool="mindspore", strategy=tmp_path / "strategy",
+                            hf=tmp_path / "no_hf")
+    assert not (tmp_path / "no").exists() and not (tmp_path / "no_hf").exists()
+    from labkit import cli
+
+    # the end of a cluster run in one command: its shards merged, its weights to HF with the model's preset
+    assert cli.main(["ckpt", "merge", str(src), "--tool", "mindspore", "--strategy", str(tmp_path / "strategy"),
+                     "--model", CFG.name, "--out", str(tmp_path / "out2"), "--hf", str(tmp_path / "hf")]) == 0
+    from safetensors.numpy import load_file
+
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(f))
+    assert np.array_equal(hf["model.layers.1.mlp.down_proj.weight"],
+                          state["weights"]["model.layers.1.feed_forward.w2.weight"])
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -356,3 +372,40 @@ def test_mindspores_other_offline_tools_run_on_cpu(saved, state, tmp_path):
                                          str(one / "strategy" / "ckpt_strategy_rank_0.ckpt"))
     assert np.array_equal(net.wq.asnumpy(), full["model.layers.0.attention.wq.weight"])
     assert np.array_equal(net.head.asnumpy(), full["lm_head.weight"])
+
+
+def test_a_cluster_runs_model_is_a_preset_or_its_mindformers_yaml(tmp_path):
+    """--model for shards without records: the preset, or the mindformers.yaml notebook 07 wrote for the run (read
+    back through the keys mindformers reads) - the same 7B either way; a missing file is named."""
+    from labkit.config import model_preset
+    from labkit.course import pretrain
+
+    run = pretrain.resolve({"preset": "llama2_7b", "output_dir": str(tmp_path / "run")})
+    from_yaml = ckpt_commands.model_named(str(pretrain.write_configs(run)["mindformers.yaml"]))
+    preset = model_preset("llama2_7b")
+    assert scratch.shapes(from_yaml) == scratch.shapes(preset)
+    with pytest.raises(LabkitError, match="no such file"):
+        ckpt_commands.model_named(str(tmp_path / "none.yaml"))
+
+
+@pytest.mark.slow
+def test_mindformers_own_merge_script_gives_the_same_weights(saved, state, tmp_path):
+    """The post-run command docs/multinode.md gives beside `labkit ckpt merge`: mindformers 1.9's
+    tools/ckpt_transform/transform_checkpoint.py (its own process, on the CPU build) on shards laid out as a
+    mindformers run lays them, merged to one rank."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "output" / "checkpoint"
+    shutil.copytree(saved("dp2_tp2_pp2"), src, ignore=shutil.ignore_patterns("*.json"))
+    shutil.move(src / "strategy", tmp_path / "output" / "strategy")
+    done = subprocess.run([sys.executable, "-m", "mindformers.tools.ckpt_transform.transform_checkpoint",
+                           "--src_checkpoint", str(src), "--src_strategy", str(tmp_path / "output" / "strategy"),
+                           "--dst_checkpoint_dir", str(tmp_path / "merged"), "--prefix", "llama2_7b"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = list((tmp_path / "merged").rglob("rank_0/*.ckpt"))
+    assert len(files) == 1, files
+    merged = reshard.read_ckpt(files[0])
+    for n, a in state["weights"].items():
+        assert np.array_equal(merged[n], a) and np.array_equal(merged["adam_m." + n], state["adam_m"][n])

@@ -2,7 +2,7 @@
 one rank and cut for another layout (labkit.byhand.reshard).
 
     labkit ckpt inspect DIR                               layout, step, data position, per rank its tensors
-    labkit ckpt merge DIR --out OUT [--tool lab|mindspore] [--hf HF]
+    labkit ckpt merge DIR --out OUT [--tool lab|mindspore] [--hf HF] [--model M]
                                                           the full state as a one-rank checkpoint (and the
                                                           weights as a Hugging Face model: convert's ms2hf)
     labkit ckpt reshard DIR --to LAYOUT --out OUT         the full state cut for LAYOUT's ranks
@@ -22,6 +22,7 @@ from labkit.byhand import reshard, runs, shards
 from labkit.byhand.worker import HandLayout
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir, check_output_dir
+from labkit.model import scratch
 from labkit.output import add_common_flags, emit
 from labkit.weights.convert import ms2hf, write_converted
 
@@ -55,12 +56,27 @@ def inspect(root: str | Path) -> dict:
             "ranks": ranks}
 
 
+def model_named(spec: str):
+    """The model of a cluster run's shards, for --hf: a model preset (llama2_7b, tiny, ...) or the mindformers
+    YAML the run trained with (notebook 07's mindformers.yaml: its model.model_config, read as mindformers reads it)."""
+    from labkit.config import model_preset
+    from labkit.parallel.mindformers_yaml import read_run_yaml
+
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise LabkitError(f"--model {spec}: no such file", "give the run's mindformers.yaml or a model preset")
+        return read_run_yaml(path)["model"]
+    return model_preset(spec)
+
+
 def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | Path | None = None,
-          overwrite: bool = False, hf: str | Path | None = None) -> dict:
+          overwrite: bool = False, hf: str | Path | None = None, model: str | None = None) -> dict:
     """The full state of the checkpoint in `root` written to `out` as a one-rank checkpoint of layout "single",
     merged by hand ("lab") or by MindSpore's transform_checkpoints ("mindspore"), and with `hf` its weights as a
     Hugging Face model too. Shards without the lab's records (a cluster run's) are merged by MindSpore alone into
-    out/merged.ckpt."""
+    out/merged.ckpt; their model (`model`: a preset or the run's mindformers.yaml, `model_named`) is needed for
+    `hf`, which then takes the model's weights from the merged file (optimizer states and counters left out)."""
     if tool not in ("lab", "mindspore"):
         raise LabkitError(f"tool '{tool}' is not known", "use --tool lab or --tool mindspore")
     check_output_dir(out, overwrite)
@@ -68,17 +84,23 @@ def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | 
         check_output_dir(hf, overwrite)
     root = Path(root)
     if tool == "mindspore" and not list(root.glob(f"rank_[0-9]*/{shards.PREFIX}*.json")):
-        if hf:
+        if hf and not model:
             raise LabkitError(f"{root}: shards without the lab's records carry no model configuration for --hf",
-                              "merge without --hf, then convert OUT/merged.ckpt with the model's config")
+                              "give --model (a model preset such as llama2_7b, or the run's mindformers.yaml)")
+        cfg = model_named(model) if model else None
         if not list(root.glob("rank_[0-9]*/*.ckpt")):
             raise LabkitError(f"{root}: no rank_<k>/*.ckpt shards", "give the folder that holds rank_0, rank_1, ...")
         with tempfile.TemporaryDirectory() as work, atomic_dir(out, overwrite) as tmp:
             merged = reshard.mindspore_merge(root, Path(work), Path(strategy) if strategy else None)
             shutil.copyfile(merged, tmp / "merged.ckpt")
             tensors = reshard.read_ckpt(tmp / "merged.ckpt")
+            if hf:  # the model's weights (its names and shapes checked by write_converted), then ms2hf
+                names = scratch.shapes(cfg)
+                weights = {n: a for n, a in tensors.items() if n in names}
+                ms2hf(write_converted(Path(work) / "ms", cfg, weights), hf, overwrite=overwrite)
         return {"out": str(out), "tool": tool, "records": False, "tensors": {n: list(a.shape)
-                                                                             for n, a in tensors.items()}}
+                                                                             for n, a in tensors.items()},
+                "hf": str(hf) if hf else None}
     ckpt = reshard.read(root)
     if tool == "lab":
         state = reshard.merge(ckpt)
@@ -119,6 +141,8 @@ def add_cli(parser) -> None:
     m.add_argument("--strategy", default=None,
                    help="--tool mindspore: a strategy file, or a folder of per-stage files (default: DIR/strategy)")
     m.add_argument("--hf", default=None, help="also write the merged weights as a Hugging Face model here")
+    m.add_argument("--model", default=None, help="shards without the lab's records (a cluster run's), for --hf: "
+                                                 "a model preset (llama2_7b, ...) or the run's mindformers.yaml")
     m.add_argument("--overwrite", action="store_true", help="replace --out (and --hf) if it exists")
     add_common_flags(m)
     m.set_defaults(func=_cli_merge)
@@ -146,7 +170,7 @@ def _cli_inspect(args) -> int:
 
 
 def _cli_merge(args) -> int:
-    r = merge(args.dir, args.out, args.tool, args.strategy, args.overwrite, args.hf)
+    r = merge(args.dir, args.out, args.tool, args.strategy, args.overwrite, args.hf, args.model)
     emit(args, {"ok": True, **r}, f"merged {args.dir} with {r['tool']} into {r['out']}")
     return 0
 

@@ -66,8 +66,13 @@ def commands(run: PretrainRun) -> dict:
         if v is not None and v != DEFAULTS[k] and k != "interactive":
             pm += ["-p", k, str(v)]
     resume = labkit[run.node_rank].replace(" --resume", "") + " --resume --steps N"
+    # after mindformers' run: its shards (output/checkpoint, output/strategy under where it ran) as one checkpoint
+    # and a Hugging Face model (labkit.byhand.ckpt_commands: MindSpore's transform_checkpoints, then ms2hf)
+    merge = shlex.join(["labkit", "ckpt", "merge", mf_yaml.CHECKPOINTS, "--tool", "mindspore", "--strategy",
+                        mf_yaml.STRATEGY, "--model", str(out / "mindformers.yaml"), "--out", str(out / "merged"),
+                        "--hf", str(out / "hf")])
     return {"labkit_launch": labkit, "msrun": msrun, "mindformers": mindformers, "papermill": shlex.join(pm),
-            "resume": resume}
+            "resume": resume, "merge": merge}
 
 
 NODE0_ONLY = {  # what a node other than node 0 skips in notebook 07, and why (printed by node0_only)
@@ -113,7 +118,10 @@ def config_texts(run: PretrainRun) -> dict[str, str]:
             ["", "# the command labkit launch runs on this node:", "# " + cmds["msrun"], "",
              "# the same run with mindformers' own launcher (from a mindformers checkout):", "# " + cmds["mindformers"],
              "", "# this notebook again, e.g. on a cluster:", "# " + cmds["papermill"], "",
-             "# continue after an interruption:", "# " + cmds["resume"], ""]),
+             "# continue after an interruption:", "# " + cmds["resume"], "",
+             "# after mindformers' run, from where it ran: its shards as one checkpoint and a Hugging Face model",
+             "# (continue it on other cards instead: this notebook with -p resume_from output/checkpoint",
+             "#  -p resume_strategy output/strategy):", "# " + cmds["merge"], ""]),
     }
 
 
