@@ -159,7 +159,9 @@ def mask_compression(seq_len: int, flash_attention: bool) -> bool:
     attention from COMPRESSED_MASK tokens on, where mindformers accepts it. The compressed mask is the causal
     pattern alone (FlashAttentionScore sparse_mode 2, LLamaAttention.__init__ in models/llama/llama_transformer.py):
     it leaves out the padding row the full mask multiplies in, which changes nothing for a token whose padding
-    comes after it (the loader pads at the end: those keys are in its future, masked either way)."""
+    comes after it (the loader pads at the end: those keys are in its future, masked either way). With the ring the
+    device holds no mask either way (mask_bytes); the key still spares the host the [s, s] triangle the mask cell
+    builds in LlamaModel.__init__ (models/llama/llama.py)."""
     return flash_attention and seq_len >= COMPRESSED_MASK
 
 
