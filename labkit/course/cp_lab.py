@@ -33,6 +33,7 @@ from pathlib import Path
 from labkit.byhand import context_parallel as cpl
 from labkit.byhand import runs
 from labkit.byhand.worker import HandLayout
+from labkit.course import parallel_lab
 from labkit.errors import LabkitError
 from labkit.layout import Layout
 from labkit.parallel.memory import GIB, Numerics, memory_breakdown
@@ -124,8 +125,6 @@ def cp_memory(folder: Path | None = None, settings: dict = runs.MEMORY_SETTINGS)
     one card (MiB), measured (the live pool peaks' difference, the busiest worker) and planned, before (the
     planner's activation line alone) and after the named term, with the relative errors."""
     if folder is None:
-        from labkit.course import parallel_lab
-
         folder = parallel_lab.memory_runs("cached")
     by_name = {lay.name: lay for lay in runs.MEMORY_LAYOUTS}
     one = by_name["single"]
