@@ -13,8 +13,8 @@ context parallel and picotron cut the sequence) gives worker r chunks r and 2·c
 In the ring the balance must hold step by step: every worker waits at each pass for the slowest before the blocks
 move on, so a worker idles, per step, the busiest worker's work minus its own (`ring_units`, `idle_units`; the
 score elements the causal mask leaves, c² below the diagonal and c(c+1)/2 on it). Zigzag gives every worker 2c²
-at every step after the first; the contiguous split gives the workers below the block's owner 4c² and the
-others nothing.
+at every step after the first; the contiguous split gives 4c² to a worker holding an earlier worker's block and
+nothing to one holding a later worker's.
 A worker's tokens keep their global positions: RoPE is applied at them, and the masks are the whole sequence's
 restricted to the blocks (`ContextParallel.frame`; every cp worker reads the whole rows of its batch, so the
 padding of every chunk is known without communication).
