@@ -165,3 +165,45 @@ def test_the_cpu_stand_ins_are_a_ring_step_and_an_all_to_all_and_count_both(ms, 
         assert np.array_equal(exchanged, np.concatenate([x[:, 2 * r:2 * r + 2] for x in xs], axis=2))
         assert counts[Op.CP_RING_FWD] == Sent(1, 2 * (p - 1) * n, n)
         assert counts[Op.CP_ALL_TO_ALL_FWD] == Sent(1, (1 if world else 2) * (p - 1) * n, (p - 1) / p * n)
+
+
+def test_the_ring_step_by_step_zigzag_keeps_every_worker_busy_the_naive_split_does_not():
+    """Per ring step the score elements each worker computes (the causal mask's unmasked ones), worked out by hand:
+    at step 0 every worker has its own two chunks (two diagonal blocks and one full: c(c+1) + c²); after that
+    zigzag gives everyone two full blocks (2c²), the contiguous split 4c² to a worker whose block arrives from an
+    earlier worker and 0 to the others. Worker r of the naive split waits (cp - 1 - r) x 4c²; zigzag's wait 0."""
+    c = 4
+    for cp in (2, 3, 4, 8):
+        first = c * (c + 1) + c * c
+        zig, naive = cpl.ring_units(cp, c, True), cpl.ring_units(cp, c, False)
+        assert zig == [[first] * cp] + [[2 * c * c] * cp] * (cp - 1)
+        assert naive[0] == [first] * cp
+        assert naive[1:] == [[4 * c * c if (r - t) % cp < r else 0 for r in range(cp)] for t in range(1, cp)]
+        assert cpl.idle_units(zig) == [0] * cp
+        assert cpl.idle_units(naive) == [(cp - 1 - r) * 4 * c * c for r in range(cp)]
+        for balanced, steps in ((True, zig), (False, naive)):  # the same pairs as `work`, now per step
+            assert sum(map(sum, steps)) == sum(cpl.work(cp, balanced)) * c * c - 2 * cp * c * (c - 1) // 2
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_ring_worker_records_the_work_it_computed_at_each_step(ms, cp, balanced):
+    """Thread workers run ring attention forward with either split: what each records per step, counted block by
+    block as it merged them, is `ring_units` for every sequence and head (and the output its part of one card's)."""
+    q, k, v, mask = _qkv_mask(ms, seed=cp)
+    want = _full(q, k, v, mask)
+
+    def worker(g):
+        hooks = cpl.ContextParallel(g, "ring", balanced=balanced)
+        out = hooks.attend(*[hooks.take(t, 2) for t in (q, k, v)], hooks.frame(CFG, mask))
+        return out.asnumpy(), hooks.ring_steps()
+
+    units = cpl.ring_units(cp, S // (2 * cp), balanced)
+    done = Threads(cp).run(worker)
+    for r, (got, steps) in enumerate(done):
+        at = cpl.positions(S, cp, r, balanced)
+        np.testing.assert_allclose(got, want[:, :, at], rtol=1e-5, atol=1e-6)
+        assert [s.units for s in steps] == [B * q.shape[1] * units[t][r] for t in range(cp)]
+        assert all(s.seconds > 0 for s in steps if s.units)
+    idle = cpl.idle_units([[done[r][1][t].units for r in range(cp)] for t in range(cp)])
+    assert (max(idle) == 0) == balanced

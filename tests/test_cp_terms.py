@@ -242,3 +242,50 @@ def test_the_7b_at_32k_table_has_its_rows_and_every_yaml_reads_back(tmp_path):
         C.check_mindformers(back["model"], lay, seq_len=back["seq_len"], flash_attention=back["flash_attention"])
         assert TransformerOpParallelConfig(**pc).get_ulysses_cp_num() == lay.ulysses
         assert back["ring_attention"] == (lay.ring > 1)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_the_mask_bytes_are_what_mindformers_mask_cell_allocates(ms, compressed):
+    """mindformers' own mask cell (LowerTriangularMaskWithDynamic, with the arguments LlamaModel.__init__ gives it)
+    at 2048 tokens, the shortest compression accepts: its constant and the mask its construct returns have the bytes
+    mask_bytes counts, in the compute dtype and uint8. At 32k the count is the same shape rule scaled: s² for
+    the full mask, nothing for the compressed one; and the 7B-at-32k table shows both."""
+    import numpy as np
+    from mindformers.modules.transformer.transformer import LowerTriangularMaskWithDynamic
+
+    from labkit.course.pretrain.results import long_context_rows
+
+    s, b, f16 = 2048, 2, 2
+    cell = LowerTriangularMaskWithDynamic(seq_length=s, batch_size=b, compute_type=ms.float16, pad_token_id=0,
+                                          use_flash_attention=True, use_attn_mask_compression=compressed)
+    tokens = np.ones((b, s), np.int32)
+    tokens[1, -7:] = 0  # padding at the end of a row
+    out = cell(ms.Tensor(tokens))
+    want = C.mask_bytes(s, b, f16, ring=False, compressed=compressed)
+    assert cell.lower_triangle_mask.nbytes == want["constant"]
+    if compressed:
+        assert out.shape == (2048, 2048) and out.dtype == ms.uint8 and want["stored"] == 0
+        # sparse_mode 2 reads the causal pattern alone: a query never sees a later key
+        assert np.array_equal(out.asnumpy(), np.triu(np.ones((s, s), np.uint8), 1))
+    else:
+        assert out.shape == (b, 1, s, s) and out.dtype == ms.uint8 and out.nbytes == want["stored"]
+        full = out.asnumpy()[:, 0]  # 1 = masked: the future, and the padded keys
+        assert np.array_equal(full[0], np.triu(np.ones((s, s), np.uint8), 1))
+        assert full[1, :, -7:].all() and np.array_equal(full[1, :-7, :-7], full[0, :-7, :-7])
+    grow = 1 if compressed else (32768 / s) ** 2
+    at_32k = C.mask_bytes(32768, 1, f16, ring=False, compressed=compressed)
+    assert at_32k["constant"] == want["constant"] * grow and at_32k["stored"] == want["stored"] / b * grow
+    assert C.mask_bytes(32768, 1, f16, ring=True, compressed=compressed) == {"constant": 0, "stored": 0, "working": 0}
+    column = "mask GiB, compressed" if compressed else "mask GiB, full"
+    for r in long_context_rows():  # fp16, micro-batch 1 in every row
+        mc = r["run_yaml"]["model"]["model_config"]
+        assert mc["use_attn_mask_compression"] and r["batch"].startswith("1 x")
+        cell_scaled = (want["constant"] * grow + want["stored"] / b * grow) / 2**30
+        assert r[column] == (0 if mc.get("use_ring_attention") else round(cell_scaled, 3))
+
+
+def test_the_writer_compresses_the_mask_from_2048_tokens_with_flash_attention():
+    long, short = _run(1, "colossalai_cp"), load_run_config(MF_7B, values={"data.seq_len": 1024})
+    assert mf_yaml.run_yaml(long, long.layout(), devices=8)["model"]["model_config"]["use_attn_mask_compression"]
+    assert "use_attn_mask_compression" not in mf_yaml.run_yaml(short, short.layout(), devices=8)["model"]["model_config"]
+    assert not C.mask_compression(32768, flash_attention=False)

@@ -219,3 +219,29 @@ def test_context_parallel_passes_what_its_algorithm_says(result):
         for copies in by_tp.values():
             assert len(copies) == lay.cp
             assert all(np.array_equal(c[k], copies[0][k]) for c in copies[1:] for k in copies[0])
+
+
+def test_the_ring_workers_record_their_work_per_step_and_zigzag_leaves_none_idle(result):
+    """What each ring worker computed at each step, counted block by block as it ran, is the zigzag split's
+    `ring_units` for the sequences, heads, layers and steps it ran: the same at every step for every worker, so no
+    one waits; the contiguous split counted for the same run leaves worker r of cp (cp - 1 - r) x 4c² per sequence
+    and head waiting. Times are printed, not compared (wall clock on a shared machine)."""
+    from labkit.byhand import context_parallel as cpl
+    from labkit.course import cp_lab
+
+    cfg, s = runs.model_cfg(), runs.SETTINGS
+    rows = cp_lab.ring_idle(result)
+    assert {r["layout"] for r in rows} == {"cp2_ring", "dp2_cp2_ring"} and len(rows) == 2 + 4
+    for r in rows:
+        lay = result["layouts"][r["layout"]].layout
+        w = next(w for w in result["layouts"][r["layout"]].per_worker if w.rank == r["rank"])
+        c, scale = s["seq_len"] // (2 * lay.cp), s["global_batch"] // lay.dp * cfg.num_heads * cfg.num_layers * s["steps"]
+        assert [t.units for t in w.ring] == [scale * step[w.place.cp] for step in cpl.ring_units(lay.cp, c)]
+        assert all(t.seconds > 0 for t in w.ring)
+        assert r["zigzag idle units"] == 0
+        assert r["naive idle units"] == scale * (lay.cp - 1 - w.place.cp) * 4 * c * c
+        assert r["units"] == scale * sum(cpl.ring_units(lay.cp, c)[t][w.place.cp] for t in range(lay.cp))
+        print(f"{r['layout']} rank {r['rank']}: {r['units']} units, idle zigzag {r['zigzag idle units']} "
+              f"naive {r['naive idle units']} (~{r['naive idle ms']:.1f} ms at {r['ns per unit']:.2f} ns/unit)")
+    for name in ("cp2_ulysses", "tp2_cp2_ulysses", "dp2"):
+        assert all(w.ring == () for w in result["layouts"][name].per_worker)

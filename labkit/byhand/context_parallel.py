@@ -10,6 +10,11 @@ mask query chunk a reads key chunks 0..a, so a contiguous split (worker r: chunk
 worker 0 three chunk pairs to compute and worker cp-1 4·cp-1. The balanced split ("zigzag", as Megatron-LM's
 context parallel and picotron cut the sequence) gives worker r chunks r and 2·cp-1-r: every worker 2·cp+1 pairs
 (`work` counts them). Brandon et al. 2023 (striped attention) balance the same way with a token-level stripe.
+In the ring the balance must hold step by step: every worker waits at each pass for the slowest before the blocks
+move on, so a worker idles, per step, the busiest worker's work minus its own (`ring_units`, `idle_units`; the
+score elements the causal mask leaves, c² below the diagonal and c(c+1)/2 on it). Zigzag gives every worker 2c²
+at every step after the first; the contiguous split gives 4c² to a worker holding an earlier worker's block and
+nothing to one holding a later worker's.
 A worker's tokens keep their global positions: RoPE is applied at them, and the masks are the whole sequence's
 restricted to the blocks (`ContextParallel.frame`; every cp worker reads the whole rows of its batch, so the
 padding of every chunk is known without communication).
@@ -41,6 +46,9 @@ all-to-alls per layer forward, their 4 reverses backward, each sending (cp-1)/cp
 worker needs whole heads and whole kv heads: cp must divide both (`check_ulysses`), which grouped-query attention's
 few kv heads limit first; the ring has no such limit."""
 from __future__ import annotations
+
+import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,6 +90,33 @@ def work(cp: int, balanced: bool = True) -> list[int]:
     return [len(pairs(chunks_of(cp, r, balanced), range(2 * cp))) for r in range(cp)]
 
 
+def pair_units(a: int, b: int, c: int) -> int:
+    """Score elements query chunk a computes against key chunk b (c tokens each) under the causal mask, per
+    sequence and head: c² for a key chunk before it, c(c+1)/2 on the diagonal, none after it."""
+    return c * c if b < a else c * (c + 1) // 2 if b == a else 0
+
+
+def ring_units(cp: int, c: int, balanced: bool = True) -> list[list[int]]:
+    """[ring step][worker] the score elements (per sequence and head) worker r computes at step t: its query chunks
+    against the key/value block of worker (r - t) mod cp, the one it holds at that step."""
+    return [[sum(pair_units(a, b, c) for _, _, a, b in pairs(chunks_of(cp, r, balanced),
+                                                             chunks_of(cp, (r - t) % cp, balanced)))
+             for r in range(cp)] for t in range(cp)]
+
+
+def idle_units(per_step) -> list:
+    """Per worker, the work it waits for: at each ring step the busiest worker's work minus its own
+    (`per_step` [step][worker], as `ring_units` or a run's records)."""
+    return [sum(max(step) - step[r] for step in per_step) for r in range(len(per_step[0]))]
+
+
+class RingStep(NamedTuple):
+    """One ring step of one worker over a run (every layer and micro-batch): the score elements it computed (the
+    causal mask's unmasked ones, every sequence and head) and the forward pass's wall time spent computing them."""
+    units: int
+    seconds: float
+
+
 def take(x, axis: int, cp: int, rank: int, balanced: bool = True):
     """Worker `rank`'s chunks of x (the whole sequence along `axis`), one after the other."""
     from mindspore import ops
@@ -121,18 +156,26 @@ def merge(state, q, k, v, adder):
     return o * old + ops.matmul(e, v), m2, total * old + e.sum(-1, keepdims=True)
 
 
-def attend_blocks(q, q_chunks, blocks, adders: dict):
+def attend_blocks(q, q_chunks, blocks, adders: dict, record: list | None = None):
     """Attention of one worker's queries q [b, h, n·c, d] (its chunks `q_chunks`, c tokens each) over key/value
     blocks (k, v, their chunks), merged by the online softmax; `adders[(a, b)]` [b, 1, c, c] is the mask of query
-    chunk a against key chunk b. Returns the context [b, h, n·c, d]."""
+    chunk a against key chunk b. Returns the context [b, h, n·c, d]. `record` ([units, seconds] per block, in
+    arrival order): each block's score elements computed and the time computing them took added in."""
+    import mindspore as ms
     from mindspore import ops
 
     c = q.shape[TOKENS] // len(q_chunks)
     state = [None] * len(q_chunks)
-    for k, v, k_chunks in blocks:
+    for step, (k, v, k_chunks) in enumerate(blocks):
+        t0, units = time.perf_counter(), 0  # after the block arrived: the pass is not timed
         for i, j, a, b in pairs(q_chunks, k_chunks):
             piece = lambda t, n: chunk(t, TOKENS, t.shape[TOKENS] // c, n)  # noqa: E731
             state[i] = merge(state[i], piece(q, i), piece(k, j), piece(v, j), adders[(a, b)])
+            units += q.shape[0] * q.shape[1] * pair_units(a, b, c)
+        if record is not None:
+            ms.runtime.synchronize()  # PyNative launches asynchronously: wait for the block's kernels
+            record[step][0] += units
+            record[step][1] += time.perf_counter() - t0
     return ops.cat([o / total for o, _, total in state], TOKENS)
 
 
@@ -182,6 +225,7 @@ class ContextParallel(Hooks):
         self.chunks = chunks_of(group.size, group.index, balanced)
         if algo == "ring":
             self.pass_on = ring_pass(group)
+            self.record = [[0, 0.0] for _ in range(group.size)]  # per ring step: units and seconds, summed
         else:
             self.to_heads, self.to_seq = seq_to_heads(group), heads_to_seq(group)
 
@@ -209,7 +253,11 @@ class ContextParallel(Hooks):
         if self.algo == "ulysses":
             check_ulysses(q.shape[1], k.shape[1], self.group.size)
             return self.to_seq(core_attention(self.to_heads(q), self.to_heads(k), self.to_heads(v), frame.adder))
-        return attend_blocks(q, self.chunks, self.ring(k, v), frame.adder)
+        return attend_blocks(q, self.chunks, self.ring(k, v), frame.adder, self.record)
+
+    def ring_steps(self) -> tuple[RingStep, ...]:
+        """What this worker computed at each ring step so far (every layer and micro-batch), and how long it took."""
+        return tuple(RingStep(*r) for r in self.record) if self.algo == "ring" else ()
 
     def ring(self, k, v):
         """The key/value blocks in the order they arrive: this worker's own, then cp - 1 passes around the ring

@@ -35,6 +35,7 @@ import numpy as np
 
 from labkit.byhand import reshard, shards
 from labkit.byhand.comm import Group, Op, Sent, Traffic, io_bytes, make_group, op_named
+from labkit.byhand.context_parallel import ContextParallel, RingStep
 from labkit.byhand.optimizer_parallel import OptimizerParallel
 from labkit.byhand.pipeline_parallel import StageStep, pipeline_step
 from labkit.byhand.worker import HandLayout, Held, Place, Worker
@@ -110,6 +111,7 @@ class RankResult:
     pipeline: tuple[StageStep, ...]  # per step, a pipeline stage's record (none off the pipeline)
     seconds: float  # the run's wall time on this worker
     io_bytes: int  # bytes its read and write system calls moved during the run (/proc/self/io)
+    ring: tuple[RingStep, ...] = ()  # per ring step, the attention work it computed and the time (ring only)
     weights: dict = field(default_factory=dict, compare=False, repr=False)  # name -> array; not in the JSON
 
     @property
@@ -131,7 +133,7 @@ class RankResult:
                            "losses": self.losses, "grad_norms": self.grad_norms, "held": asdict(self.held),
                            "traffic": {str(k): v._asdict() for k, v in self.traffic.items()},
                            "pipeline": [p._asdict() for p in self.pipeline], "seconds": self.seconds,
-                           "io_bytes": self.io_bytes})
+                           "io_bytes": self.io_bytes, "ring": [r._asdict() for r in self.ring]})
 
     @classmethod
     def from_json(cls, path: Path) -> RankResult:
@@ -154,7 +156,8 @@ class RankResult:
                     for k, v in d["traffic"].items()},
                    tuple(StageStep(**{**keys("a pipeline record", p, StageStep._fields),
                                       "timeline": tuple(map(tuple, p["timeline"]))}) for p in d["pipeline"]),
-                   d["seconds"], d["io_bytes"])
+                   d["seconds"], d["io_bytes"],
+                   tuple(RingStep(**keys("a ring step", r, RingStep._fields)) for r in d["ring"]))
 
 
 def model_cfg(settings: dict = SETTINGS):
@@ -206,9 +209,10 @@ def train_layout(layout: HandLayout, rank: int, world: int, out: Path, settings:
             shards.save_worker(worker, out / layout.name / "ckpt" / f"step_{step + 1}", step + 1,
                                (step + 1) * settings["global_batch"])
     io = io_bytes() - io0
+    ring = worker.hooks.ring_steps() if isinstance(worker.hooks, ContextParallel) else ()
     result = RankResult(layout, rank, np.dtype(dtype).name, tuple(r["loss"] for r in steps),
                         tuple(r["grad_norm"] for r in steps), worker.bytes_held(), traffic.counts(),
-                        tuple(r["stage"] for r in steps if "stage" in r), time.time() - t0, io)
+                        tuple(r["stage"] for r in steps if "stage" in r), time.time() - t0, io, ring)
     where = out / layout.name
     where.mkdir(parents=True, exist_ok=True)
     np.savez(where / f".weights_rank{rank}.tmp.npz", **worker.weights())

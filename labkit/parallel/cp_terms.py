@@ -147,3 +147,44 @@ def comm_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int, r
     ring = (r - 1) * 2 * sc_b * kv / mp * act_bytes
     a2a = (u - 1) / u * sc_b * (2 * h + 2 * kv) / mp * act_bytes
     return {"ring": ring * (passes_fwd + 2), "all_to_all": a2a * (passes_fwd + 1)}
+
+
+# mindformers' compressed causal mask: a 2048 x 2048 uint8 constant (modules/transformer/transformer.py,
+# LowerTriangularMaskWithDynamic.__init__, which refuses compression for a shorter sequence)
+COMPRESSED_MASK = 2048
+
+
+def mask_compression(seq_len: int, flash_attention: bool) -> bool:
+    """Whether the run YAML sets model_config.use_attn_mask_compression (labkit.parallel.mindformers_yaml): with flash
+    attention from COMPRESSED_MASK tokens on, where mindformers accepts it. The compressed mask is the causal
+    pattern alone (FlashAttentionScore sparse_mode 2, LLamaAttention.__init__ in models/llama/llama_transformer.py):
+    it leaves out the padding row the full mask multiplies in, which changes nothing for a token whose padding
+    comes after it (the loader pads at the end: those keys are in its future, masked either way). With the ring the
+    device holds no mask either way (mask_bytes); the key still spares the host the [s, s] triangle the mask cell
+    builds in LlamaModel.__init__ (models/llama/llama.py)."""
+    return flash_attention and seq_len >= COMPRESSED_MASK
+
+
+def mask_bytes(seq_len: int, micro_batch: int, act_bytes: int, *, ring: bool, compressed: bool) -> dict[str, float]:
+    """Bytes of mindformers 1.9's causal attention mask on one device with flash attention, by part (without flash
+    attention memory.recompute_mask_elements counts it):
+
+      constant  the triangle LowerTriangularMaskWithDynamic.__init__ holds (modules/transformer/transformer.py): an
+                [s, s] tensor in the compute dtype, or with compression the [2048, 2048] uint8 one its construct
+                returns as it is
+      stored    per micro-batch in flight, the [b, 1, s, s] uint8 mask every layer's FlashAttentionScore reads
+                forward and backward (construct: the padding row times the triangle, 1 minus it, cast to uint8);
+                none with compression
+      working   the two [b, s, s] tensors in the compute dtype construct makes on the way (the product and 1 minus
+                it), alive while the mask is built at the start of a forward pass
+
+    The cell is split over dp only (LowerTriangularMaskWithDynamic.shard): a device builds its micro-batch's whole
+    mask, whatever cp. With the ring (use_ring_attention) nothing reaches the device: LlamaModel.construct builds no
+    mask (models/llama/llama.py: `elif not self.use_ring_attention: mask = self.casual_mask(tokens)`) and
+    FlashAttention takes none (modules/flash_attention.py: use_attention_mask False with the ring)."""
+    if ring:
+        return {"constant": 0.0, "stored": 0.0, "working": 0.0}
+    if compressed:
+        return {"constant": float(COMPRESSED_MASK * COMPRESSED_MASK), "stored": 0.0, "working": 0.0}
+    square = float(seq_len) * seq_len
+    return {"constant": square * act_bytes, "stored": micro_batch * square, "working": 2 * micro_batch * square * act_bytes}

@@ -21,7 +21,7 @@ from labkit.errors import LabkitError
 from labkit.layout import RECOMPUTE, Layout
 from labkit.model.shapes import pipeline_layers
 from labkit.parallel import census
-from labkit.parallel.cp_terms import attention_elements
+from labkit.parallel.cp_terms import attention_elements, mask_bytes, mask_compression
 from labkit.parallel.devices import GIB
 
 
@@ -293,6 +293,15 @@ def recompute_mask_elements(seq_len: int, micro_batch: int, recompute: str, flas
     return float(micro_batch * seq_len * seq_len)
 
 
+def flash_mask(seq_len: int, micro_batch: int, layout: Layout, numerics: Numerics) -> dict[str, float]:
+    """Bytes of mindformers' causal mask with flash attention on one device (cp_terms.mask_bytes), compressed when the
+    run YAML asks for it (cp_terms.mask_compression); none without flash attention (recompute_mask_elements)."""
+    if not numerics.flash_attention:
+        return {"constant": 0.0, "stored": 0.0, "working": 0.0}
+    return mask_bytes(seq_len, micro_batch, numerics.act_bytes, ring=layout.ring > 1,
+                      compressed=mask_compression(seq_len, True))
+
+
 def adamw_early_bytes(params: float) -> float:
     """Bytes of mindformers AdamW's weight-decay product param_fp32 * (1 - lr * weight_decay), which MindSpore
     computes for every parameter at the start of the step and keeps until the update (float32 whatever the weights'
@@ -328,7 +337,10 @@ def _breakdown(cfg: ModelConfig, layout: Layout, recompute: str, seq_len: int, n
         loss = loss_activations(cfg, seq_len // cp, micro_batch, mp=mp, act_bytes=act,  # the loss over dp x cp
                                 fused_norm=n.fused_norm) if name != "first" else 0.0
         mask = in_flight * recompute_mask_elements(seq_len, micro_batch, recompute, n.flash_attention) * act
-        acts = in_flight * st["layers"] * layer["stored"] * act + mask + max(loss, layer["working"] * act)
+        fa_mask = flash_mask(seq_len, micro_batch, layout, n)
+        mask += fa_mask["constant"] + in_flight * fa_mask["stored"]
+        acts = (in_flight * st["layers"] * layer["stored"] * act + mask
+                + max(loss, layer["working"] * act, fa_mask["working"]))
         parts = {**states, "activations": acts}
         total = sum(parts.values())
         if worst is None or total > worst[1]:

@@ -12,7 +12,7 @@ from labkit.config import AMP_LEVELS, ModelConfig, RunConfig, loss_scaled
 from labkit.errors import LabkitError
 from labkit.layout import Layout, OptimizerParallel, Recompute
 from labkit.model.llama import Backend, llama_config_kwargs
-from labkit.parallel.cp_terms import check_mindformers
+from labkit.parallel.cp_terms import check_mindformers, mask_compression
 
 
 PARALLEL_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2}
@@ -103,6 +103,7 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
     (labkit.config.AMP_LEVELS), the optimizer, the schedule, the data and `layout`'s parallel blocks.
     `max_device_memory_gib` is the memory pool MindSpore may take per device (None on CPU: not set).
     A context-parallel layout is checked against mindformers' own rules first (context_parallel.check_mindformers).
+    With flash attention from 2048 tokens on, the compressed causal mask (cp_terms.mask_compression).
     `resume_from`: an earlier run's checkpoint folder (its rank_N folders) to continue from (`resume_keys`);
     `src_strategy`: that run's strategy folder or file, when it trained under another layout or number of cards."""
     t, p = cfg.train, cfg.parallel
@@ -114,6 +115,9 @@ def run_yaml(cfg: RunConfig, layout: Layout, *, model: ModelConfig | None = None
     model_config = llama_config_kwargs(model, seq_length=cfg.data.seq_len, batch_size=t.micro_batch,
                                        backend=Backend(device_target=p.device_target, **AMP_LEVELS[t.amp_level]))
     model_config.update(par.pop("model", {}).get("model_config", {}))
+    if mask_compression(cfg.data.seq_len, model_config["use_flash_attention"]):
+        # a 2048 x 2048 uint8 mask in place of an [s, s] one and a [b, 1, s, s] one per micro-batch (cp_terms.mask_bytes)
+        model_config["use_attn_mask_compression"] = True
     check_mindformers(model, layout, seq_len=cfg.data.seq_len, parallel_mode=mode,
                       flash_attention=model_config["use_flash_attention"] and p.device_target == "Ascend")
     dataset = {"data_loader": {"type": "MindDataset", "dataset_dir": cfg.data.dataset or "",

@@ -17,7 +17,8 @@ from labkit.errors import LabkitError
 from labkit.logs import quiet_mindformers
 from labkit.model.llama import backend_flags, count_parameters
 from labkit.model.shapes import expected_hf_shapes, num_params
-from labkit.parallel.devices import device_preset
+from labkit.parallel.cp_terms import mask_bytes
+from labkit.parallel.devices import GIB, device_preset
 from labkit.parallel import mindformers_yaml as mf_yaml
 from labkit.parallel.memory import Numerics
 from labkit.parallel.planner import Machine, cp_text, plan
@@ -267,12 +268,18 @@ def _long_context_row(base, best, devices: int, label: str, seq_len: int) -> dic
     doc = mf_yaml.run_yaml(cfg, lay, devices=devices)
     pc, mc = doc["parallel_config"], doc["model"]["model_config"]
     keys = {k: pc[k] for k in ("context_parallel", "context_parallel_algo", "ulysses_degree_in_cp") if k in pc}
-    keys.update({k: mc[k] for k in ("use_flash_attention", "use_ring_attention") if k in mc})
+    keys.update({k: mc[k] for k in ("use_flash_attention", "use_ring_attention", "use_attn_mask_compression")
+                 if k in mc})
+    act = Numerics(amp_level=cfg.train.amp_level).act_bytes
+    mask = {c: mask_bytes(seq_len, lay.micro_batch, act, ring=lay.ring > 1, compressed=c) for c in (False, True)}
     m = best.memory_gib
     return {"cards": devices, "attention": label, "fits": best.fits, "GiB per card": round(m["total"], 1),
             "activations GiB": round(m["activations"], 1),
             "layout": f"dp {lay.dp} x mp {lay.mp} x pp {lay.pp} x cp {cp_text(lay)}",
             "batch": f"{lay.micro_batch} x {lay.dp} x {lay.accum}", "recompute": best.recompute,
             "optimizer_shard": lay.optimizer_shard, "tokens/s/card": round(best.tokens_per_s_per_device),
-            "cp comm s/step": round(best.time_s["cp_comm"], 2), "yaml keys": keys, "run_yaml": doc}
+            "cp comm s/step": round(best.time_s["cp_comm"], 2),
+            "mask GiB, full": round((mask[False]["constant"] + mask[False]["stored"]) / GIB, 3),
+            "mask GiB, compressed": round((mask[True]["constant"] + mask[True]["stored"]) / GIB, 3),
+            "yaml keys": keys, "run_yaml": doc}
 
