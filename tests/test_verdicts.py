@@ -41,6 +41,15 @@ def test_each_rule_judges_both_ways(rule, held, other):
     assert rule.seed in str(rule)
 
 
+def test_numpy_values_are_judged_like_floats(monkeypatch):
+    import numpy as np
+
+    monkeypatch.setenv(verdicts.STRICT_EXERCISES_ENV, "1")
+    rule = nb_module.Threshold("<", np.float64(0.145), seed="s")
+    assert rule.judge(np.float64(-1)) is True and rule.judge(np.float64(2)) is False
+    nb_module.verdict(**QUOTE, measured=np.float64(0.0), rule=rule, other_side=nb_module.Sides(holds=-1.0, fails=1.0))
+
+
 def test_a_verdict_prints_measured_rule_and_outcome(capsys, monkeypatch):
     monkeypatch.setenv(verdicts.STRICT_EXERCISES_ENV, "1")
     nb_module.verdict(**QUOTE, measured=0.45, rule=nb_module.Band(0.2, 0.4, seed="约 30%", name="extra"),

@@ -43,27 +43,25 @@ VERDICTS = verdicts.VERDICTS  # every verdict of this kernel, in order: the note
 Band, Threshold, Compare, Outcome, Beyond, Sides = (verdicts.Band, verdicts.Threshold, verdicts.Compare,
                                                    verdicts.Outcome, verdicts.Beyond, verdicts.Sides)
 not_testable = verdicts.not_testable
-NOT_GIVEN = verdicts.NOT_GIVEN
 
 
-def verdict(item, claim: str | None = None, held=NOT_GIVEN, figure: str = "", basis: str | None = None, *,
-            quote: str | None = None, section: str | None = None, measured=NOT_GIVEN, rule=None,
-            other_side=NOT_GIVEN) -> None:
-    """A seed claim judged in this run: `labkit.course.verdicts.judge` (the seed's sentence `quote` with its
-    `section` and seed-coverage `item` number, the `measured` value, the `rule` that judges it with the seed's
-    number, and in strict mode a stated `other_side` the rule judges the other way); a claim nothing here can decide
-    is `nb.not_testable(...)`. Printed, kept in VERDICTS for `verdict_table()`, recorded for `labkit run`'s summary;
+def verdict(item, *legacy, **given) -> None:
+    """A seed claim judged in this run: nb.verdict(item, quote=, section=, claim=, measured=, rule=, other_side=,
+    figure=, basis=), that is `labkit.course.verdicts.judge` with the seed-coverage `item` number, the seed's sentence
+    `quote` (Chinese, exactly) and its `section`, the `measured` value, the `rule` that judges it with the seed's
+    number, and (strict mode) a stated `other_side` the rule judges the other way; a claim nothing here can decide is
+    `nb.not_testable(...)`. Printed, kept in VERDICTS for `verdict_table()`, recorded for `labkit run`'s summary;
     returns nothing, so a cell that ends with a verdict shows only its lines.
 
     The old form verdict(item, claim, held, figure, basis) still runs, with a deprecation notice on stderr."""
-    if rule is None:
-        if held is NOT_GIVEN:
-            raise TypeError(f"verdict {item!r}: give measured= and rule= (or use nb.not_testable)")
-        verdicts.legacy(item, claim, held, figure, basis)
+    if legacy or "held" in given:
+        verdicts.legacy(item, *legacy, **given)
         return
-    if held is not NOT_GIVEN or measured is NOT_GIVEN or not (quote and section and claim):
-        raise TypeError(f"verdict #{item}: give quote=, section=, claim=, measured= and rule= (held is the rule's)")
-    verdicts.judge(item, quote, section, claim, measured, rule, other_side, figure, basis or "measured")
+    missing = [k for k in ("quote", "section", "claim", "measured", "rule") if k not in given]
+    if missing:
+        raise TypeError(f"verdict #{item}: give {', '.join(missing)} (or use nb.not_testable)")
+    seed = verdicts.Seed(item, given.pop("quote"), given.pop("section"), given.pop("claim"))
+    verdicts.judge(seed, **given)
 
 
 def verdict_table():

@@ -3,7 +3,8 @@
 Each notebook runs with kernel `python3` in `notebooks/` (as in JupyterLab; `LABKIT_CALLER_CWD` tells it where
 `labkit run` was called, so user paths such as `output_dir` stay relative to that), takes the parameters it declares
 from `--params FILE.yaml`, and may record key figures with `labkit.course.nb.record`; the run ends with `summary.md` and
-`summary.json` linking every executed notebook. A failing notebook is reported by file and cell.
+`summary.json` linking every executed notebook and listing every seed verdict (`nb.verdict`) with its measured value
+and rule. A failing notebook is reported by file and cell.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class Band:
     name: str = "x"
 
     def judge(self, value) -> bool:
-        return self.lo <= value <= self.hi
+        return bool(self.lo <= value <= self.hi)
 
     def __str__(self) -> str:
         return f"{show(self.lo)} ≤ {self.name} ≤ {show(self.hi)} (seed: {self.seed})"
@@ -76,7 +76,7 @@ class Threshold:
             raise ValueError(f"Threshold op {self.op!r}: use one of {', '.join(_OPS)}")
 
     def judge(self, value) -> bool:
-        return _OPS[self.op](value, self.limit)
+        return bool(_OPS[self.op](value, self.limit))
 
     def __str__(self) -> str:
         return f"{self.name} {self.op} {show(self.limit)} (seed: {self.seed})"
@@ -97,7 +97,7 @@ class Compare:
 
     def judge(self, value) -> bool:
         a, b = value
-        return _OPS[self.op](a, b * self.factor)
+        return bool(_OPS[self.op](a, b * self.factor))
 
     def __str__(self) -> str:
         times = "" if self.factor == 1 else f"{show(self.factor)} × "
@@ -112,7 +112,7 @@ class Outcome:
     name: str = "outcome"
 
     def judge(self, value) -> bool:
-        return value == self.expected
+        return bool(value == self.expected)
 
     def __str__(self) -> str:
         return f"{self.name} == {show(self.expected)} (seed: {self.seed})"
@@ -128,7 +128,7 @@ class Beyond:
     name: str = "difference"
 
     def judge(self, value) -> bool | None:
-        return True if value < -self.noise else False if value > self.noise else None
+        return True if value < -self.noise else False if value > self.noise else None  # plain bools, numpy or not
 
     def __str__(self) -> str:
         return f"{self.name} < -{show(self.noise)} (held), > +{show(self.noise)} (not held), the seed-to-seed " \
@@ -144,6 +144,18 @@ class Sides:
     `fails` it must reject (both values the cell's own checks allow); strict mode checks both."""
     holds: object
     fails: object
+
+
+@dataclass(frozen=True)
+class Seed:
+    """The claim a verdict judges, in the seed's own words: the seed-coverage item number, the seed's sentence in
+    Chinese exactly as the seed writes it, where (e.g. "S0 §3.3"), and the same claim in English."""
+    item: object
+    quote: str
+    section: str
+    claim: str
+
+
 NOT_GIVEN = object()
 
 
@@ -151,55 +163,59 @@ def _strict() -> bool:
     return os.environ.get(STRICT_EXERCISES_ENV) == "1"
 
 
-def judge(item: int, quote: str, section: str, claim: str, measured, rule: Rule, other_side=NOT_GIVEN,
-          figure: str = "", basis: str = "measured") -> bool | None:
+def judge(seed: Seed, measured, rule: Rule, other_side=NOT_GIVEN, figure: str = "",
+          basis: str = "measured") -> bool | None:
     """A seed claim judged in this run (see the module's docstring); returns the verdict (True: held here;
     None when a Beyond rule finds the difference within the noise).
 
-    item: the seed-coverage item number; quote: the seed's sentence, in Chinese, exactly as the seed writes it;
-    section: where, e.g. "S0 §3.3"; claim: the same claim in English; measured: what this run measured (a number, a
-    pair for Compare, an outcome for Outcome); rule: what judges it, with the seed's number; other_side: a value the
-    cell's own checks would still allow that the rule judges the other way, or Sides(holds, fails) when the
-    measurement may land on either side (required in strict mode);
+    measured: what this run measured (a number, a pair for Compare, an outcome for Outcome); rule: what judges it,
+    with the seed's number; other_side: a value the cell's own checks would still allow that the rule judges the
+    other way, or Sides(holds, fails) when the measurement may land on either side (required in strict mode);
     figure: context for the reader; basis: "measured", "planner" or "config"."""
     if basis not in BASIS_WORDS or basis == "not testable":
-        raise ValueError(f"verdict #{item}: basis {basis!r}: use measured, planner or config (or not_testable())")
+        raise ValueError(f"verdict #{seed.item}: basis {basis!r}: use measured, planner or config (or not_testable())")
     held = rule.judge(measured)
     if _strict():
-        if other_side is NOT_GIVEN:
-            raise AssertionError(f"verdict #{item}: strict mode needs other_side=, a value the cell's checks allow "
-                                 "that the rule judges the other way (else the claim is not testable here)")
-        if isinstance(other_side, Sides):
-            if rule.judge(other_side.holds) is not True or rule.judge(other_side.fails) is not False:
-                raise AssertionError(f"verdict #{item}: the rule {rule} does not hold at {show(other_side.holds)} "
-                                     f"and fail at {show(other_side.fails)} as stated: it cannot be shown to go either way")
-        elif rule.judge(other_side) in (held, None):
-            raise AssertionError(f"verdict #{item}: the rule {rule} judges the measured {show(measured)} and the "
-                                 f"stated other side {show(other_side)} the same: this verdict cannot come out the "
-                                 "other way")
+        _prove_open(seed, rule, measured, held, other_side)
     if held is None:  # the rule cannot tell (within the noise): the claim is not testable by this run
-        _keep(item, quote, section, claim, None, "not testable", show(measured), str(rule),
+        _keep(seed, None, "not testable", show(measured), str(rule),
               "within the noise, this run cannot tell" + (f"; {figure}" if figure else ""))
         return None
-    _keep(item, quote, section, claim, bool(held), basis, show(measured), str(rule), figure)
+    _keep(seed, bool(held), basis, show(measured), str(rule), figure)
     return bool(held)
+
+
+def _prove_open(seed: Seed, rule: Rule, measured, held, other_side) -> None:
+    """Strict mode: the stated counter-value must be judged the other way (a Sides: one of each as stated)."""
+    if other_side is NOT_GIVEN:
+        raise AssertionError(f"verdict #{seed.item}: strict mode needs other_side=, a value the cell's checks allow "
+                             "that the rule judges the other way (else the claim is not testable here)")
+    if isinstance(other_side, Sides):
+        if rule.judge(other_side.holds) is not True or rule.judge(other_side.fails) is not False:
+            raise AssertionError(f"verdict #{seed.item}: the rule {rule} does not hold at {show(other_side.holds)} "
+                                 f"and fail at {show(other_side.fails)} as stated: it cannot be shown to go either way")
+    elif rule.judge(other_side) in (held, None):
+        raise AssertionError(f"verdict #{seed.item}: the rule {rule} judges the measured {show(measured)} and the "
+                             f"stated other side {show(other_side)} the same: this verdict cannot come out the "
+                             "other way")
 
 
 def not_testable(item: int, quote: str, section: str, claim: str, reason: str, illustration: str = "") -> None:
     """A seed claim nothing here can decide: `reason` says why (the hardware or scale it needs), `illustration` gives
     the CPU figure beside it, which illustrates and does not judge."""
-    _keep(item, quote, section, claim, None, "not testable", "—", "—",
+    _keep(Seed(item, quote, section, claim), None, "not testable", "—", "—",
           reason + (f"; CPU illustration: {illustration}" if illustration else ""))
 
 
-def _keep(item, quote, section, claim, held, basis, measured, rule, figure) -> None:
+def _keep(seed: Seed, held, basis: str, measured: str, rule: str, figure: str) -> None:
     zh, en = VERDICT_WORDS[held]
     basis_zh, basis_en = BASIS_WORDS[basis]
-    row = {"seed item": item, "section": section, "quote": quote, "claim": claim, "measured": measured,
-           "rule": rule, "verdict": en, "basis": basis_en, "figure": figure}
-    VERDICTS[:] = [v for v in VERDICTS if (v["seed item"], v["claim"]) != (item, claim)] + [row]  # a re-run cell
-    head = f"[#{item} {section}] 「{quote}」" if quote else f"[{item}]"
-    lines = [head, f"  {claim}"]
+    row = {"seed item": seed.item, "section": seed.section, "quote": seed.quote, "claim": seed.claim,
+           "measured": measured, "rule": rule, "verdict": en, "basis": basis_en, "figure": figure}
+    key = (seed.item, seed.claim)
+    VERDICTS[:] = [v for v in VERDICTS if (v["seed item"], v["claim"]) != key] + [row]  # a re-run cell
+    head = f"[#{seed.item} {seed.section}] 「{seed.quote}」" if seed.quote else f"[{seed.item}]"
+    lines = [head, f"  {seed.claim}"]
     if rule != "—":
         lines.append(f"  测得 / measured: {measured}; 规则 / rule: {rule}")
     how = figure if held is None else f"{basis_zh} / {basis_en}" + (f"; {figure}" if figure else "")
@@ -233,7 +249,7 @@ def legacy(item: str, claim: str, held: bool | None, figure: str, basis: str | N
                          "when held is None (then give basis 'not testable', or leave it out, and say why in figure)")
     print(f"deprecated: verdict({item!r}, ...) without measured= and rule=; its outcome is not proven to be open",
           file=sys.stderr)
-    _keep(item, "", "", claim, held, basis, "—", "—", figure)
+    _keep(Seed(item, "", "", claim), held, basis, "—", "—", figure)
 
 
 def table():
