@@ -14,7 +14,7 @@ from labkit.paths import NOTEBOOKS
 from tests import seed_index
 
 # Notebooks whose verdicts still use the old form verdict(item, claim, held, figure): each is converted in turn.
-LEGACY = {"07_pretrain", }
+LEGACY = {"07_pretrain"}
 QUOTE = dict(item=76, quote="用大约 30% 的额外计算时间", section="S0 §3.3", claim="recompute costs about 30% more time")
 
 
