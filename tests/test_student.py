@@ -103,38 +103,3 @@ def test_student_copies_of_the_course(tmp_path, monkeypatch):
             assert "not yet" in buf.getvalue(), f"{original.name}: {''.join(cell['source'])[:80]}"
 
 
-def test_verdicts_are_kept_once_per_claim(capsys):
-    nb_module.VERDICTS.clear()
-    nb_module.verdict("s1", "x is small", True, "x = 1")
-    nb_module.verdict("s1", "x is small", False, "x = 9")  # the cell re-run: one row, the latest
-    nb_module.verdict("s2", "needs Ascend", None, "no NPU here")
-    table = nb_module.verdict_table()
-    assert list(table["verdict"]) == ["did not hold here", "not testable here"]
-    assert "DID NOT HOLD HERE (此处实测 / measured here: x = 9)" in capsys.readouterr().out
-    nb_module.VERDICTS.clear()
-
-
-def test_a_verdict_says_what_it_rests_on(capsys, tmp_path, monkeypatch):
-    figures = tmp_path / "figures.json"
-    monkeypatch.setenv(nb_module.FIGURES_ENV, str(figures))
-    nb_module.VERDICTS.clear()
-    nb_module.verdict("s1", "x is small", True, "x = 1")  # the common call: measured here
-    nb_module.verdict("s2", "7B fits", False, "planner: 90 GB > 80 GB", basis="planner")
-    nb_module.verdict("s3", "gb is 512", True, "4 x 8 x 16", basis="config")
-    nb_module.verdict("s4", "needs Ascend", None, "no NPU here")  # None alone means not testable
-    table = nb_module.verdict_table()
-    assert list(table["basis"]) == ["measured here", "from the planner's model", "from the config",
-                                    "not testable here"]
-    out = capsys.readouterr().out
-    assert "DID NOT HOLD HERE (规划器的模型 / from the planner's model: planner: 90 GB > 80 GB)" in out
-    assert "NOT TESTABLE HERE (no NPU here)" in out
-    assert json.loads(figures.read_text())["verdict s2: 7B fits"].startswith("did not hold here, from the planner's")
-    nb_module.VERDICTS.clear()
-
-
-@pytest.mark.parametrize("held, basis", [(None, "measured"), (None, "planner"), (True, "not testable"),
-                                         (False, "not testable"), (True, "guessed")])
-def test_a_verdict_refuses_a_basis_that_contradicts_it(held, basis):
-    with pytest.raises(ValueError, match="basis"):
-        nb_module.verdict("s", "c", held, "f", basis=basis)
-    assert not nb_module.VERDICTS

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from labkit.course import verdicts
 from labkit.course.runner import FIGURES_ENV, STRICT_EXERCISES_ENV
 from labkit.io import atomic_write_text
 from labkit.paths import RUNS
@@ -38,45 +39,34 @@ def check(condition: bool, claim: str) -> None:
     print(f"✓ {claim}")
 
 
-VERDICT_WORDS = {True: ("成立", "held here"), False: ("不成立", "did not hold here"),
-                 None: ("此处无法检验", "not testable here")}
-# What a verdict rests on. "measured": a value this run measured; "planner": the planner's memory/time model, not a
-# run of the layout; "config": reading a shipped or upstream config; "not testable": nothing here can decide it
-# (held=None, and `figure` says why: hardware the learner lacks is "not testable", never "did not hold" from a CPU run).
-BASIS_WORDS = {"measured": ("此处实测", "measured here"), "planner": ("规划器的模型", "from the planner's model"),
-               "config": ("读自配置", "from the config"), "not testable": ("此处无法检验", "not testable here")}
-VERDICTS: list[dict] = []  # every verdict of this kernel, in order: the notebook's summary table is made from it
+VERDICTS = verdicts.VERDICTS  # every verdict of this kernel, in order: the notebook's summary table is made from it
+Band, Threshold, Compare, Outcome, Beyond, Sides = (verdicts.Band, verdicts.Threshold, verdicts.Compare,
+                                                   verdicts.Outcome, verdicts.Beyond, verdicts.Sides)
+not_testable = verdicts.not_testable
 
 
-def verdict(item: str, claim: str, held: bool | None, figure: str, basis: str | None = None) -> None:
-    """A seed claim judged in this run: held (True), did not hold (False), or not testable here (None; `figure` then
-    says why). `basis` says what the judgement rests on (BASIS_WORDS): by default "measured" when held is True/False
-    and "not testable" when it is None; pass "planner" or "config" when the figure comes from the planner's model or
-    from reading a config rather than from a measurement. Printed, kept in VERDICTS for `verdict_table()`, and
-    recorded for `labkit run`'s summary (returns nothing, so a cell that ends with a verdict shows only its line).
-    Assert the `held` you pass against the figures in the same cell."""
-    if held not in VERDICT_WORDS:
-        raise ValueError(f"verdict {item!r}: held must be True, False or None (not testable), not {held!r}")
-    basis = basis or ("not testable" if held is None else "measured")
-    if basis not in BASIS_WORDS:
-        raise ValueError(f"verdict {item!r}: basis {basis!r} is not one of {', '.join(BASIS_WORDS)}")
-    if (held is None) != (basis == "not testable"):
-        raise ValueError(f"verdict {item!r}: held={held} with basis {basis!r}: a claim is not testable here exactly "
-                         "when held is None (then give basis 'not testable', or leave it out, and say why in figure)")
-    zh, en = VERDICT_WORDS[held]
-    basis_zh, basis_en = BASIS_WORDS[basis]
-    row = {"seed item": item, "claim": claim, "verdict": en, "basis": basis_en, "figure": figure}
-    VERDICTS[:] = [v for v in VERDICTS if (v["seed item"], v["claim"]) != (item, claim)] + [row]  # re-run cell
-    on = "" if held is None else f"{basis_zh} / {basis_en}: "
-    print(f"[{item}] {claim}: {zh} / {en.upper()} ({on}{figure})")
-    record(f"verdict {item}: {claim}", f"{en}, {basis_en} ({figure})")
+def verdict(item, *legacy, **given) -> None:
+    """A seed claim judged in this run: nb.verdict(item, quote=, section=, claim=, measured=, rule=, other_side=,
+    figure=, basis=), that is `labkit.course.verdicts.judge` with the seed-coverage `item` number, the seed's sentence
+    `quote` (Chinese, exactly) and its `section`, the `measured` value, the `rule` that judges it with the seed's
+    number, and (strict mode) a stated `other_side` the rule judges the other way; a claim nothing here can decide is
+    `nb.not_testable(...)`. Printed, kept in VERDICTS for `verdict_table()`, recorded for `labkit run`'s summary;
+    returns nothing, so a cell that ends with a verdict shows only its lines.
+
+    The old form verdict(item, claim, held, figure, basis) still runs, with a deprecation notice on stderr."""
+    if legacy or "held" in given:
+        verdicts.legacy(item, *legacy, **given)
+        return
+    missing = [k for k in ("quote", "section", "claim", "measured", "rule") if k not in given]
+    if missing:
+        raise TypeError(f"verdict #{item}: give {', '.join(missing)} (or use nb.not_testable)")
+    seed = verdicts.Seed(item, given.pop("quote"), given.pop("section"), given.pop("claim"))
+    verdicts.judge(seed, **given)
 
 
 def verdict_table():
     """The verdicts of this kernel as a pandas DataFrame (one row per claim), for the notebook's summary cell."""
-    import pandas as pd
-
-    return pd.DataFrame(VERDICTS, columns=["seed item", "claim", "verdict", "basis", "figure"])
+    return verdicts.table()
 
 
 def exercise(key: str, verify: Callable[[], bool], hint: str,

@@ -3,7 +3,8 @@
 Each notebook runs with kernel `python3` in `notebooks/` (as in JupyterLab; `LABKIT_CALLER_CWD` tells it where
 `labkit run` was called, so user paths such as `output_dir` stay relative to that), takes the parameters it declares
 from `--params FILE.yaml`, and may record key figures with `labkit.course.nb.record`; the run ends with `summary.md` and
-`summary.json` linking every executed notebook. A failing notebook is reported by file and cell.
+`summary.json` linking every executed notebook and listing every seed verdict (`nb.verdict`) with its measured value
+and rule. A failing notebook is reported by file and cell.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class NotebookResult:
     reading_minutes: float = 0.0
     parameters: dict = field(default_factory=dict)
     figures: dict = field(default_factory=dict)
+    verdicts: list = field(default_factory=list)  # every seed verdict: item, quote, measured, rule, verdict, basis
     error: str | None = None
 
 
@@ -159,6 +161,7 @@ def run_notebooks(params: dict | None = None, only: list[str] | None = None, out
         res.seconds = round(time.time() - start, 1)
         if figures_file.exists():
             res.figures = json.loads(figures_file.read_text(encoding="utf-8"))
+            res.verdicts = res.figures.pop("verdicts", [])
         results.append(res)
     if unused:
         log(f"note: no notebook declares {sorted(unused)} (ignored)")
@@ -173,10 +176,27 @@ def write_summary(out_dir: Path, results: list[NotebookResult], params: dict) ->
     for r in results:
         figs = ", ".join(f"{k}: {v}" for k, v in r.figures.items()) or ("—" if not r.error else r.error)
         lines.append(f"| [{r.notebook}]({r.notebook}) | {r.status} | {r.seconds} | {r.reading_minutes} | {figs} |")
+    lines += verdict_lines(results)
     atomic_write_text(out_dir / "summary.md", "\n".join(lines) + "\n")
     atomic_write_text(out_dir / "summary.json",
                       json.dumps({"parameters": params, "notebooks": [asdict(r) for r in results]}, indent=2,
                                  ensure_ascii=False, default=str))
+
+
+def verdict_lines(results: list[NotebookResult]) -> list[str]:
+    """summary.md's table of every seed verdict: the measured value and the rule beside the verdict, so a reader can
+    disagree with a threshold."""
+    rows = [(r.notebook, v) for r in results for v in r.verdicts]
+    if not rows:
+        return []
+    out = ["", "## 种子文章的结论 / The seeds' claims judged", "",
+           "| notebook | # | section | seed's words | claim | measured | rule | verdict | basis | figure |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for notebook, v in rows:
+        cells = [notebook, v["seed item"], v["section"], v["quote"], v["claim"], v["measured"], v["rule"],
+                 v["verdict"], v["basis"], v["figure"]]
+        out.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return out
 
 
 def add_cli(parser) -> None:
