@@ -217,7 +217,7 @@ def test_written_configs_agree(tmp_path):
     from labkit.cli import build_parser
 
     args = build_parser().parse_args(shlex.split(merge)[1:])
-    assert (args.tool, args.model, args.hf) == ("mindspore", str(files["mindformers.yaml"]), str(tmp_path / "seed" / "hf"))
+    assert (args.tool, args.model, args.hf) == ("mindspore", str(files["run.yaml"]), str(tmp_path / "seed" / "hf"))
 
 
 # ------------------------------------------------------------------------------------------ display pieces

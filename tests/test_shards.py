@@ -374,14 +374,14 @@ def test_mindspores_other_offline_tools_run_on_cpu(saved, state, tmp_path):
     assert np.array_equal(net.head.asnumpy(), full["lm_head.weight"])
 
 
-def test_a_cluster_runs_model_is_a_preset_or_its_mindformers_yaml(tmp_path):
-    """--model for shards without records: the preset, or the mindformers.yaml notebook 07 wrote for the run (read
-    back through the keys mindformers reads) - the same 7B either way; a missing file is named."""
+def test_a_cluster_runs_model_is_a_preset_or_its_run_yaml(tmp_path):
+    """--model for shards without records: the preset, or the run.yaml notebook 07 wrote for the run (beside the
+    mindformers.yaml of the same run) - the same 7B either way; a missing file is named."""
     from labkit.config import model_preset
     from labkit.course import pretrain
 
     run = pretrain.resolve({"preset": "llama2_7b", "output_dir": str(tmp_path / "run")})
-    from_yaml = ckpt_commands.model_named(str(pretrain.write_configs(run)["mindformers.yaml"]))
+    from_yaml = ckpt_commands.model_named(str(pretrain.write_configs(run)["run.yaml"]))
     preset = model_preset("llama2_7b")
     assert scratch.shapes(from_yaml) == scratch.shapes(preset)
     with pytest.raises(LabkitError, match="no such file"):

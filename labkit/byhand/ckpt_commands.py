@@ -20,6 +20,7 @@ from pathlib import Path
 
 from labkit.byhand import reshard, runs, shards
 from labkit.byhand.worker import HandLayout
+from labkit.config import load_run_config, model_preset
 from labkit.errors import LabkitError
 from labkit.io import atomic_dir, check_output_dir
 from labkit.model import scratch
@@ -57,16 +58,13 @@ def inspect(root: str | Path) -> dict:
 
 
 def model_named(spec: str):
-    """The model of a cluster run's shards, for --hf: a model preset (llama2_7b, tiny, ...) or the mindformers
-    YAML the run trained with (notebook 07's mindformers.yaml: its model.model_config, read as mindformers reads it)."""
-    from labkit.config import model_preset
-    from labkit.parallel.mindformers_yaml import read_run_yaml
-
+    """The model of a cluster run's shards, for --hf: a model preset (llama2_7b, tiny, ...) or the run config the
+    run was made from (notebook 07's run.yaml, the same run as its mindformers.yaml: its model section)."""
     path = Path(spec)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            raise LabkitError(f"--model {spec}: no such file", "give the run's mindformers.yaml or a model preset")
-        return read_run_yaml(path)["model"]
+            raise LabkitError(f"--model {spec}: no such file", "give the run's run.yaml or a model preset")
+        return load_run_config(path).model_config()
     return model_preset(spec)
 
 
@@ -75,7 +73,7 @@ def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | 
     """The full state of the checkpoint in `root` written to `out` as a one-rank checkpoint of layout "single",
     merged by hand ("lab") or by MindSpore's transform_checkpoints ("mindspore"), and with `hf` its weights as a
     Hugging Face model too. Shards without the lab's records (a cluster run's) are merged by MindSpore alone into
-    out/merged.ckpt; their model (`model`: a preset or the run's mindformers.yaml, `model_named`) is needed for
+    out/merged.ckpt; their model (`model`: a preset or the run's run.yaml, `model_named`) is needed for
     `hf`, which then takes the model's weights from the merged file (optimizer states and counters left out)."""
     if tool not in ("lab", "mindspore"):
         raise LabkitError(f"tool '{tool}' is not known", "use --tool lab or --tool mindspore")
@@ -86,7 +84,7 @@ def merge(root: str | Path, out: str | Path, tool: str = "lab", strategy: str | 
     if tool == "mindspore" and not list(root.glob(f"rank_[0-9]*/{shards.PREFIX}*.json")):
         if hf and not model:
             raise LabkitError(f"{root}: shards without the lab's records carry no model configuration for --hf",
-                              "give --model (a model preset such as llama2_7b, or the run's mindformers.yaml)")
+                              "give --model (a model preset such as llama2_7b, or the run's run.yaml)")
         cfg = model_named(model) if model else None
         if not list(root.glob("rank_[0-9]*/*.ckpt")):
             raise LabkitError(f"{root}: no rank_<k>/*.ckpt shards", "give the folder that holds rank_0, rank_1, ...")
@@ -142,7 +140,7 @@ def add_cli(parser) -> None:
                    help="--tool mindspore: a strategy file, or a folder of per-stage files (default: DIR/strategy)")
     m.add_argument("--hf", default=None, help="also write the merged weights as a Hugging Face model here")
     m.add_argument("--model", default=None, help="shards without the lab's records (a cluster run's), for --hf: "
-                                                 "a model preset (llama2_7b, ...) or the run's mindformers.yaml")
+                                                 "a model preset (llama2_7b, ...) or the run's run.yaml (notebook 07)")
     m.add_argument("--overwrite", action="store_true", help="replace --out (and --hf) if it exists")
     add_common_flags(m)
     m.set_defaults(func=_cli_merge)

@@ -69,7 +69,7 @@ def commands(run: PretrainRun) -> dict:
     # after mindformers' run: its shards (output/checkpoint, output/strategy under where it ran) as one checkpoint
     # and a Hugging Face model (labkit.byhand.ckpt_commands: MindSpore's transform_checkpoints, then ms2hf)
     merge = shlex.join(["labkit", "ckpt", "merge", mf_yaml.CHECKPOINTS, "--tool", "mindspore", "--strategy",
-                        mf_yaml.STRATEGY, "--model", str(out / "mindformers.yaml"), "--out", str(out / "merged"),
+                        mf_yaml.STRATEGY, "--model", str(out / "run.yaml"), "--out", str(out / "merged"),
                         "--hf", str(out / "hf")])
     return {"labkit_launch": labkit, "msrun": msrun, "mindformers": mindformers, "papermill": shlex.join(pm),
             "resume": resume, "merge": merge}
