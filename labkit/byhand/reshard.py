@@ -183,10 +183,12 @@ def merge(ckpt: Checkpoint) -> dict:
     (replicas read once), then the flat buffers undone (`full_state`)."""
     whole: dict[str, np.ndarray] = {}
     seen: dict[str, set] = {}
+    items: dict[str, tuple] = {}  # every tensor's layout item, from the strategy files read once here
     step = None
     for k in sorted(ckpt.records):
         rec, strategy, tensors = ckpt.records[k], ckpt.strategy(k), ckpt.tensors(k)
         local = k % rec["stage_devices"]
+        items.update(strategy["layouts"])
         for name, item in strategy["layouts"].items():
             idx, counts = piece_of(item, local)
             if idx in seen.setdefault(name, set()):
@@ -197,7 +199,7 @@ def merge(ckpt: Checkpoint) -> dict:
                 whole[name] = np.empty([s * c for s, c in zip(piece.shape, counts)], piece.dtype)
             whole[name][tuple(slice(i * s, (i + 1) * s) for i, s in zip(idx, piece.shape))] = piece
         step = int(tensors[shards.STEP][0]) if step is None else step
-    for name, item in {n: i for k in ckpt.records for n, i in ckpt.strategy(k)["layouts"].items()}.items():
+    for name, item in items.items():
         if len(seen[name]) != int(np.prod(piece_of(item, 0)[1])):
             raise LabkitError(f"{ckpt.root}: the pieces of '{name}' do not cover it", "save the checkpoint again")
     whole[shards.STEP] = np.array([step], np.int32)
